@@ -1,0 +1,24 @@
+"""dmuon: Muon on FSDP2 with owner-dedicated parameters, and sharded DCP checkpoints."""
+from .dedicated import dedicate_params, wait_all_replicate_broadcasts
+from .optim import Muon
+from .state_dict import (
+    StateDictError,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Muon",
+    "StateDictError",
+    "__version__",
+    "dedicate_params",
+    "get_model_state_dict",
+    "get_optimizer_state_dict",
+    "set_model_state_dict",
+    "set_optimizer_state_dict",
+    "wait_all_replicate_broadcasts",
+]

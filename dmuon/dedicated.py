@@ -1,0 +1,290 @@
+"""Dedicated parameters: one owner keeps the whole matrix, everyone else a 0-element placeholder.
+
+The registered ``nn.Parameter`` object never changes, so the model, ``named_parameters()`` and
+autograd all see one leaf per dedicated parameter. Its ``.data`` is swapped:
+
+* outside forward/backward: a 0-element placeholder on every rank;
+* pre-forward: the master (fp32, on the owner's shard column) is cast to the compute dtype and
+  broadcast to the shard group, and becomes ``.data``;
+* post-forward: dropped again (``reshard_after_forward=True``) and re-broadcast before the
+  module's backward by a hook on its outputs;
+* post-accumulate-grad: the full gradient is summed to the owner (shard group, then replicate
+  group under HSDP), divided by the data-parallel size (gloo has no AVG), and accumulated into
+  the master's ``.grad`` on the global owner; the full copy is dropped.
+
+After ``optimizer.step()`` the global owner broadcasts its new master to the other replicas of
+its shard column; :meth:`DedicatedParam.wait_replicate` drains that.
+"""
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.utils._pytree import tree_flatten
+
+from . import fsdp_patch
+from .ownership import assign_owners
+from .topology import Topology, resolve_topology
+
+REGISTRY_ATTR = "_dmuon_registry"
+
+
+class DedicatedParam:
+    """Runtime record of one dedicated parameter (shared by all its tied aliases)."""
+
+    def __init__(
+        self,
+        fqn: str,
+        aliases: tuple[str, ...],
+        param: nn.Parameter,
+        owner: tuple[int, int],
+        topo: Topology,
+        compute_dtype: torch.dtype,
+    ) -> None:
+        self.fqn = fqn
+        self.aliases = aliases
+        self.param = param
+        self.owner = owner
+        self.topo = topo
+        self.shape = param.shape
+        self.compute_dtype = compute_dtype
+        self.master_dtype = torch.promote_types(param.dtype, torch.float32)
+        self.holds_master = topo.holds_master(owner)
+        self.is_global_owner = topo.is_global_owner(owner)
+        self.master: nn.Parameter | None = None
+        if self.holds_master:
+            value = param.detach().to(device=topo.device, dtype=self.master_dtype, copy=True)
+            self.master = nn.Parameter(value, requires_grad=param.requires_grad)
+        self._placeholder = torch.empty(0, dtype=compute_dtype, device=topo.device)
+        self._unsharded = False
+        self._replicate_work: dist.Work | None = None
+        param.data = self._placeholder
+
+    @property
+    def trainable(self) -> bool:
+        return self.param.requires_grad
+
+    @property
+    def uses_muon(self) -> bool:
+        """Matrices (and conv kernels, flattened) get Muon; vectors fall back to AdamW."""
+        return len(self.shape) >= 2
+
+    # -- forward / backward -------------------------------------------------------------
+    def unshard(self) -> None:
+        if self._unsharded:
+            return
+        self.wait_replicate()
+        full = torch.empty(self.shape, dtype=self.compute_dtype, device=self.topo.device)
+        if self.holds_master:
+            full.copy_(self.master.detach())
+        if self.topo.shard_size > 1:
+            dist.broadcast(full, group=self.topo.shard_group, group_src=self.owner[1])
+        self.param.data = full
+        self._unsharded = True
+
+    def reshard(self) -> None:
+        if self._unsharded:
+            self.param.data = self._placeholder
+            self._unsharded = False
+
+    def reduce_grad(self, param: torch.Tensor) -> None:
+        """Post-accumulate-grad hook: mean-reduce the full gradient to the global owner."""
+        grad, param.grad = param.grad, None
+        if grad is not None:
+            grad = grad.to(dtype=self.master_dtype).contiguous()
+            topo = self.topo
+            if topo.shard_size > 1:
+                dist.reduce(grad, group=topo.shard_group, group_dst=self.owner[1])
+            if self.holds_master and topo.replicate_size > 1:
+                dist.reduce(grad, group=topo.replicate_group, group_dst=self.owner[0])
+            if self.is_global_owner:
+                grad.div_(topo.world_size)
+                if self.master.grad is None:
+                    self.master.grad = grad
+                else:
+                    self.master.grad.add_(grad)
+        self.reshard()
+
+    # -- after the optimizer step -----------------------------------------------------------
+    def publish_to_replicas(self, async_op: bool) -> None:
+        """Global owner sends its new master down its shard column (HSDP only)."""
+        if not self.holds_master or self.topo.replicate_size == 1:
+            return
+        self.wait_replicate()
+        work = dist.broadcast(
+            self.master.data,
+            group=self.topo.replicate_group,
+            group_src=self.owner[0],
+            async_op=True,
+        )
+        if async_op:
+            self._replicate_work = work
+        else:
+            work.wait()
+
+    def wait_replicate(self) -> None:
+        work, self._replicate_work = self._replicate_work, None
+        if work is not None:
+            work.wait()
+
+
+@dataclass
+class DedicatedRegistry:
+    """Everything dmuon attached to one model; lives on the root module."""
+
+    topo: Topology
+    reshard_after_forward: bool
+    records: dict[str, DedicatedParam] = field(default_factory=dict)
+    handles: list = field(default_factory=list)
+
+    def __iter__(self) -> Iterator[DedicatedParam]:
+        return iter(self.records.values())
+
+    def owners(self) -> dict[str, tuple[int, int]]:
+        return {fqn: rec.owner for fqn, rec in self.records.items()}
+
+    def by_alias(self) -> dict[str, DedicatedParam]:
+        return {alias: rec for rec in self for alias in rec.aliases}
+
+    def wait_all(self) -> None:
+        for rec in self:
+            rec.wait_replicate()
+
+    def reshard_all(self) -> None:
+        for rec in self:
+            rec.reshard()
+
+
+def get_registry(model: nn.Module) -> DedicatedRegistry | None:
+    return getattr(model, REGISTRY_ATTR, None)
+
+
+def wait_all_replicate_broadcasts(model: nn.Module) -> None:
+    """Block until every pending post-step HSDP broadcast of ``model`` has landed."""
+    registry = get_registry(model)
+    if registry is not None:
+        registry.wait_all()
+
+
+def _tied_groups(model: nn.Module) -> dict[int, list[str]]:
+    groups: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(param), []).append(name)
+    return groups
+
+
+def _check_same_everywhere(topo: Topology, selected: list[tuple[str, tuple[int, ...]]]) -> None:
+    """Owner maps are computed locally; a rank with another model would silently disagree."""
+    digest = hashlib.sha256(repr(selected).encode()).digest()[:8]
+    mine = torch.tensor(list(digest), dtype=torch.int64, device=topo.device)
+    for group in (topo.shard_group, topo.replicate_group):
+        if group is None or dist.get_world_size(group) == 1:
+            continue
+        lo, hi = mine.clone(), mine.clone()
+        dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=group)
+        dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=group)
+        if not torch.equal(lo, hi):
+            raise RuntimeError(
+                f"dedicate_params: rank {dist.get_rank()} selected different parameters or shapes "
+                f"than its peers ({len(selected)} selected here); every rank must build the same "
+                "model and use the same predicate"
+            )
+
+
+def _install_module_hooks(module: nn.Module, recs: list[DedicatedParam], registry: DedicatedRegistry):
+    def unshard_all() -> None:
+        for rec in recs:
+            rec.unshard()
+
+    def pre_forward(_module, _args):
+        unshard_all()
+
+    def pre_backward(grad):
+        unshard_all()
+        return grad
+
+    def post_forward(_module, _args, output):
+        grad_enabled = torch.is_grad_enabled()
+        if registry.reshard_after_forward or not grad_enabled:
+            for rec in recs:
+                rec.reshard()
+        if grad_enabled and registry.reshard_after_forward:
+            for tensor in tree_flatten(output)[0]:
+                if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+                    tensor.register_hook(pre_backward)
+        return output
+
+    registry.handles.append(module.register_forward_pre_hook(pre_forward))
+    registry.handles.append(module.register_forward_hook(post_forward))
+
+
+def dedicate_params(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    predicate: Callable[[str, nn.Parameter], bool],
+    *,
+    replicate_mesh: DeviceMesh | None = None,
+    reshard_after_forward: bool = True,
+    param_dtype: torch.dtype | None = None,
+) -> dict[str, tuple[int, int]]:
+    """Give each parameter selected by ``predicate(fqn, param)`` one owner rank.
+
+    Must run before ``fully_shard``; FSDP2 then leaves these parameters alone. Returns the owner
+    map ``{fqn: (replicate_rank, shard_rank)}``, identical on every rank.
+    """
+    if get_registry(model) is not None:
+        raise RuntimeError("dedicate_params was already called on this model")
+    fsdp_patch.install()
+    topo = resolve_topology(mesh, replicate_mesh)
+    tied = _tied_groups(model)
+    selected: list[tuple[str, nn.Parameter]] = []
+    for fqn, param in model.named_parameters():
+        if not predicate(fqn, param):
+            continue
+        if isinstance(param, torch.distributed.tensor.DTensor):
+            raise RuntimeError(
+                f"dedicate_params: {fqn!r} is already a DTensor; call dedicate_params before fully_shard"
+            )
+        selected.append((fqn, param))
+    _check_same_everywhere(topo, [(fqn, tuple(p.shape)) for fqn, p in selected])
+    owners = assign_owners(
+        [(fqn, p.numel() * p.element_size()) for fqn, p in selected],
+        topo.replicate_size,
+        topo.shard_size,
+    )
+    registry = DedicatedRegistry(topo=topo, reshard_after_forward=reshard_after_forward)
+    for fqn, param in selected:
+        rec = DedicatedParam(
+            fqn,
+            tuple(tied[id(param)]),
+            param,
+            owners[fqn],
+            topo,
+            param_dtype or param.dtype,
+        )
+        setattr(param, fsdp_patch.DEDICATED_ATTR, rec)
+        registry.handles.append(param.register_post_accumulate_grad_hook(rec.reduce_grad))
+        registry.records[fqn] = rec
+    _sync_replicas_at_start(registry)
+
+    by_module: dict[nn.Module, list[DedicatedParam]] = {}
+    for module in model.modules():
+        for param in module._parameters.values():
+            rec = getattr(param, fsdp_patch.DEDICATED_ATTR, None) if param is not None else None
+            if rec is not None and rec.fqn in registry.records:
+                by_module.setdefault(module, []).append(rec)
+    for module, recs in by_module.items():
+        _install_module_hooks(module, recs, registry)
+    setattr(model, REGISTRY_ATTR, registry)
+    return owners
+
+
+def _sync_replicas_at_start(registry: DedicatedRegistry) -> None:
+    """Every replica starts from the global owner's initial values, whatever each rank's seed."""
+    for rec in registry:
+        rec.publish_to_replicas(async_op=False)

@@ -1,0 +1,57 @@
+"""The one monkey patch dmuon makes: torch's ``fully_shard`` skips dedicated parameters.
+
+``fully_shard`` already accepts ``ignored_params``; this patch wraps the internal helper that
+collects a module's parameters so it adds every parameter marked by ``dedicate_params``. Users
+keep calling ``fully_shard(layer, mesh=mesh)`` unchanged, however they imported it, because
+``fully_shard`` looks the helper up in its module's globals on every call.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+
+import torch
+
+DEDICATED_ATTR = "_dmuon_dedicated"
+_TARGET_MODULE = "torch.distributed.fsdp._fully_shard._fully_shard"
+_TARGET_NAME = "_get_modules_and_states"
+
+
+class FSDPPatchError(RuntimeError):
+    pass
+
+
+def is_dedicated(param: torch.Tensor) -> bool:
+    return getattr(param, DEDICATED_ATTR, None) is not None
+
+
+def install() -> None:
+    """Idempotent. Fails loudly if the installed torch no longer has the patched helper."""
+    import importlib
+
+    try:
+        module = importlib.import_module(_TARGET_MODULE)
+    except ImportError as exc:  # pragma: no cover - depends on torch version
+        raise FSDPPatchError(
+            f"dmuon needs {_TARGET_MODULE} (FSDP2) but torch {torch.__version__} lacks it: {exc}"
+        ) from exc
+    original = getattr(module, _TARGET_NAME, None)
+    if original is None or "ignored_params" not in inspect.signature(original).parameters:
+        raise FSDPPatchError(
+            f"dmuon's fully_shard patch target {_TARGET_MODULE}.{_TARGET_NAME}(..., ignored_params) "
+            f"is missing in torch {torch.__version__}; dedicated parameters would be sharded by "
+            "FSDP2. dmuon is tested with torch 2.13; pin a torch release whose fully_shard has it."
+        )
+    if getattr(original, "_dmuon_patched", False):
+        return
+
+    @functools.wraps(original)
+    def skip_dedicated(module_arg, device, ignored_params, *args, **kwargs):
+        roots = (module_arg,) if isinstance(module_arg, torch.nn.Module) else tuple(module_arg)
+        dedicated = {p for root in roots for p in root.parameters() if is_dedicated(p)}
+        if dedicated:
+            ignored_params = set(ignored_params or ()) | dedicated
+        return original(module_arg, device, ignored_params, *args, **kwargs)
+
+    skip_dedicated._dmuon_patched = True  # type: ignore[attr-defined]
+    setattr(module, _TARGET_NAME, skip_dedicated)

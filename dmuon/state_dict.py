@@ -1,0 +1,338 @@
+"""The flat-dict checkpoint API: full tensors keyed by FQN, loadable on any topology.
+
+``get_*`` are collectives: every rank calls them in the same order. With ``rank0_only=True``
+tensors travel to global rank 0 one at a time (FSDP2 shards by ``gather`` in rank 0's shard
+group, dedicated tensors point-to-point from their global owner), so other ranks never hold
+more than one tensor beyond their own shards. ``set_*`` take the full dict on every rank and
+copy out the part each rank holds, without any communication.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+from .dedicated import DedicatedParam, DedicatedRegistry, get_registry
+from .optim.muon import ADAMW_GROUP, MUON_GROUP, Muon
+
+
+# ---------------------------------------------------------------------------------------------
+# collecting full tensors
+# ---------------------------------------------------------------------------------------------
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _single_shard_dim(tensor: DTensor) -> int | None:
+    """Mesh dim of the only Shard(0) placement when all others are Replicate (FSDP2 / HSDP)."""
+    shard_dims = [i for i, p in enumerate(tensor.placements) if isinstance(p, Shard)]
+    if len(shard_dims) != 1 or tensor.placements[shard_dims[0]].dim != 0:
+        return None
+    if not all(isinstance(p, (Shard, Replicate)) for p in tensor.placements):
+        return None
+    return shard_dims[0]
+
+
+def _gather_dtensor_to_rank0(tensor: DTensor) -> torch.Tensor | None:
+    """Full value on global rank 0 only; rows padded to equal chunks for ``dist.gather``."""
+    mesh = tensor.device_mesh
+    dim = _single_shard_dim(tensor)
+    if dim is None:
+        full = tensor.full_tensor()
+        return full if _rank() == 0 else None
+    where0 = (mesh.mesh == 0).nonzero()
+    if where0.numel() == 0:
+        raise RuntimeError("global rank 0 is not in the FSDP2 mesh; use rank0_only=False")
+    coord0 = where0[0].tolist()
+    mine = mesh.get_coordinate()
+    if any(mine[i] != coord0[i] for i in range(mesh.ndim) if i != dim):
+        return None  # another replica: rank 0's own replica has every shard
+    group, k = mesh.get_group(dim), mesh.size(dim)
+    rows = tensor.shape[0]
+    chunk = -(-rows // k) if rows else 0
+    local = tensor.to_local()
+    padded = local.new_zeros((chunk, *tensor.shape[1:]))
+    padded[: local.shape[0]].copy_(local)
+    is_dst = _rank() == 0
+    bucket = [torch.empty_like(padded) for _ in range(k)] if is_dst else None
+    dist.gather(padded, gather_list=bucket, group=group, group_dst=coord0[dim])
+    return torch.cat(bucket)[:rows] if is_dst else None
+
+
+def _full_tensor(tensor: torch.Tensor, rank0_only: bool) -> torch.Tensor | None:
+    if isinstance(tensor, DTensor):
+        if rank0_only:
+            return _gather_dtensor_to_rank0(tensor)
+        return tensor.full_tensor()
+    return tensor if (not rank0_only or _rank() == 0) else None
+
+
+def _from_global_owner(
+    rec: DedicatedParam, value: torch.Tensor | None, rank0_only: bool
+) -> torch.Tensor | None:
+    """Move a tensor that only the global owner has (``value``) to rank 0 or to every rank."""
+    src = rec.topo.global_rank(rec.owner)
+    me = _rank()
+    if rank0_only:
+        if me == src:
+            if me != 0:
+                dist.send(value.contiguous(), dst=0)
+            return value if me == 0 else None
+        if me == 0:
+            buf = torch.empty(rec.shape, dtype=rec.master_dtype, device=rec.topo.device)
+            dist.recv(buf, src=src)
+            return buf
+        return None
+    buf = value if me == src else torch.empty(rec.shape, dtype=rec.master_dtype, device=rec.topo.device)
+    dist.broadcast(buf, src=src)
+    return buf
+
+
+def _finish(tensor: torch.Tensor | None, cpu_offload: bool) -> torch.Tensor | None:
+    if tensor is None:
+        return None
+    tensor = tensor.detach()
+    return tensor.cpu() if cpu_offload else tensor.clone()
+
+
+def _registry(model: nn.Module) -> DedicatedRegistry | None:
+    registry = get_registry(model)
+    if registry is not None:
+        registry.wait_all()  # pending HSDP broadcasts must not leak stale masters
+    return registry
+
+
+# ---------------------------------------------------------------------------------------------
+# model
+# ---------------------------------------------------------------------------------------------
+def get_model_state_dict(
+    model: nn.Module, *, cpu_offload: bool = True, rank0_only: bool = True
+) -> dict[str, torch.Tensor]:
+    """Full ``{fqn: tensor}`` with the keys of the unwrapped model's ``state_dict()``.
+
+    Collective. With ``rank0_only`` (default) ranks other than 0 return ``{}``.
+    """
+    registry = _registry(model)
+    dedicated = registry.by_alias() if registry is not None else {}
+    out: dict[str, torch.Tensor] = {}
+    for key, value in model.state_dict(keep_vars=True).items():
+        rec = dedicated.get(key)
+        if rec is not None:
+            master = rec.master.detach() if rec.is_global_owner else None
+            full = _from_global_owner(rec, master, rank0_only)
+        else:
+            full = _full_tensor(value.detach() if isinstance(value, torch.Tensor) else value, rank0_only)
+        full = _finish(full, cpu_offload)
+        if full is not None:
+            out[key] = full
+    return out
+
+
+def _expected_shapes(model: nn.Module) -> dict[str, torch.Size]:
+    registry = get_registry(model)
+    dedicated = registry.by_alias() if registry is not None else {}
+    shapes = {}
+    for key, value in model.state_dict(keep_vars=True).items():
+        shapes[key] = dedicated[key].shape if key in dedicated else value.shape
+    return shapes
+
+
+def _format_problems(what: str, missing, unexpected, wrong_shape) -> str:
+    parts = [f"{what}:"]
+    if missing:
+        parts.append(f"  missing keys ({len(missing)}): {', '.join(sorted(missing))}")
+    if unexpected:
+        parts.append(f"  unexpected keys ({len(unexpected)}): {', '.join(sorted(unexpected))}")
+    for key, (got, want) in sorted(wrong_shape.items()):
+        parts.append(f"  wrong shape for {key}: checkpoint has {tuple(got)}, model expects {tuple(want)}")
+    return "\n".join(parts)
+
+
+class StateDictError(RuntimeError):
+    """Raised before anything is written when a state dict does not fit the model."""
+
+
+def _copy_into(target: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy this rank's part of ``full`` into ``target`` (a DTensor shard or a plain tensor)."""
+    full = full.detach()
+    if isinstance(target, DTensor):
+        local = distribute_tensor(
+            full.to(device=target.device, dtype=target.dtype),
+            target.device_mesh,
+            target.placements,
+            src_data_rank=None,  # every rank has the full value: slice locally, no communication
+        ).to_local()
+        target.to_local().copy_(local)
+    else:
+        target.copy_(full)
+
+
+def set_model_state_dict(
+    model: nn.Module, state_dict: Mapping[str, torch.Tensor], *, strict: bool = True
+) -> None:
+    """Load a full flat dict (ours, a plain ``model.state_dict()``, or HuggingFace weights).
+
+    Every problem is collected and raised in one :class:`StateDictError` before any tensor is
+    written. With ``strict=False`` missing and unexpected keys are skipped; wrong shapes never are.
+    """
+    registry = _registry(model)
+    expected = _expected_shapes(model)
+    missing = [k for k in expected if k not in state_dict]
+    unexpected = [k for k in state_dict if k not in expected]
+    wrong_shape = {
+        k: (tuple(state_dict[k].shape), expected[k])
+        for k in expected
+        if k in state_dict and tuple(state_dict[k].shape) != tuple(expected[k])
+    }
+    if wrong_shape or (strict and (missing or unexpected)):
+        raise StateDictError(
+            _format_problems("set_model_state_dict: the state dict does not fit the model", missing if strict else [], unexpected if strict else [], wrong_shape)
+        )
+    dedicated = registry.by_alias() if registry is not None else {}
+    targets = model.state_dict(keep_vars=True)
+    with torch.no_grad():
+        for key, target in targets.items():
+            if key not in state_dict:
+                continue
+            rec = dedicated.get(key)
+            if rec is None:
+                _copy_into(target, state_dict[key])
+            elif rec.holds_master:
+                rec.master.copy_(state_dict[key].detach())
+    if registry is not None:
+        registry.reshard_all()  # drop full copies that predate the load
+
+
+# ---------------------------------------------------------------------------------------------
+# optimizer
+# ---------------------------------------------------------------------------------------------
+def _check_optimizer(model: nn.Module, optimizer: Any) -> Muon:
+    if not isinstance(optimizer, Muon):
+        raise TypeError(f"expected a dmuon.Muon optimizer, got {type(optimizer).__name__}")
+    if optimizer.model is not model:
+        raise ValueError("the optimizer was built for a different model")
+    return optimizer
+
+
+def _adamw_fsdp_params(optimizer: Muon) -> Iterator[tuple[str, torch.Tensor]]:
+    """(fqn, param) of AdamW parameters that are not dedicated: the same list on every rank."""
+    for param in optimizer.group(ADAMW_GROUP)["params"]:
+        if id(param) not in optimizer.dedicated_of:
+            yield optimizer.fqn_of[id(param)], param
+
+
+def _state_keys(rec: DedicatedParam) -> tuple[str, ...]:
+    return ("momentum_buffer",) if rec.uses_muon else ("step", "exp_avg", "exp_avg_sq")
+
+
+def hyperparameters(optimizer: Muon) -> list[dict[str, Any]]:
+    return [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+
+
+def get_optimizer_state_dict(
+    model: nn.Module, optimizer: Muon, *, cpu_offload: bool = True, rank0_only: bool = True
+) -> dict[str, Any]:
+    """``{"fsdp2": {fqn: {step, exp_avg, exp_avg_sq}}, "dedicated": {fqn: {...}}, "param_groups"}``."""
+    optimizer = _check_optimizer(model, optimizer)
+    registry = _registry(model)
+    keep = not rank0_only or _rank() == 0
+    fsdp2: dict[str, dict[str, torch.Tensor]] = {}
+    for fqn, param in _adamw_fsdp_params(optimizer):
+        entry = {}
+        for name, value in optimizer.state[param].items():
+            full = _finish(_full_tensor(value, rank0_only), cpu_offload)
+            if full is not None:
+                entry[name] = full
+        if keep:
+            fsdp2[fqn] = entry
+    dedicated: dict[str, dict[str, torch.Tensor]] = {}
+    for rec in registry or ():
+        if not rec.trainable:
+            continue
+        entry = {}
+        for name in _state_keys(rec):
+            mine = optimizer.state[rec.master][name] if rec.is_global_owner else None
+            if name == "step":
+                full = _step_from_owner(rec, mine, rank0_only)
+            else:
+                full = _from_global_owner(rec, mine, rank0_only)
+            full = _finish(full, cpu_offload)
+            if full is not None:
+                entry[name] = full
+        if keep:
+            dedicated[rec.fqn] = entry
+    if not keep:
+        return {}
+    return {"fsdp2": fsdp2, "dedicated": dedicated, "param_groups": hyperparameters(optimizer)}
+
+
+def _step_from_owner(rec: DedicatedParam, step: torch.Tensor | None, rank0_only: bool):
+    src = rec.topo.global_rank(rec.owner)
+    buf = step.clone() if step is not None else torch.zeros((), dtype=torch.float32)
+    buf = buf.to(rec.topo.device)
+    if rank0_only:
+        if _rank() == src and src != 0:
+            dist.send(buf, dst=0)
+        elif _rank() == 0 and src != 0:
+            dist.recv(buf, src=src)
+        return buf if _rank() == 0 else None
+    dist.broadcast(buf, src=src)
+    return buf
+
+
+def set_optimizer_state_dict(model: nn.Module, optimizer: Muon, state_dict: Mapping[str, Any]) -> None:
+    """Restore momentum buffers, Adam moments, step counters and hyper-parameters.
+
+    Takes the full dict on every rank; works whatever topology wrote it.
+    """
+    optimizer = _check_optimizer(model, optimizer)
+    registry = _registry(model)
+    for section in ("fsdp2", "dedicated"):
+        if section not in state_dict:
+            raise StateDictError(f"set_optimizer_state_dict: the state dict has no {section!r} section")
+    problems: list[str] = []
+    fsdp_params = list(_adamw_fsdp_params(optimizer))
+    for fqn, param in fsdp_params:
+        shapes = {name: tuple(t.shape) for name, t in optimizer.state[param].items()}
+        _check_entry(problems, "fsdp2", fqn, state_dict["fsdp2"].get(fqn), shapes)
+    dedicated_recs = [rec for rec in registry or () if rec.trainable]
+    for rec in dedicated_recs:
+        shapes = {name: () if name == "step" else tuple(rec.shape) for name in _state_keys(rec)}
+        _check_entry(problems, "dedicated", rec.fqn, state_dict["dedicated"].get(rec.fqn), shapes)
+    known = {fqn for fqn, _ in fsdp_params}
+    problems += [f"  unexpected fsdp2 entry {k}" for k in state_dict["fsdp2"] if k not in known]
+    known = {rec.fqn for rec in dedicated_recs}
+    problems += [f"  unexpected dedicated entry {k}" for k in state_dict["dedicated"] if k not in known]
+    groups = {g.get("name"): g for g in state_dict.get("param_groups", [])}
+    problems += [f"  unknown param group {name!r}" for name in groups if name not in (MUON_GROUP, ADAMW_GROUP)]
+    if problems:
+        raise StateDictError(
+            "set_optimizer_state_dict: the state dict does not fit the optimizer:\n" + "\n".join(problems)
+        )
+    with torch.no_grad():
+        for fqn, param in fsdp_params:
+            for name, target in optimizer.state[param].items():
+                _copy_into(target, state_dict["fsdp2"][fqn][name])
+        for rec in dedicated_recs:
+            if rec.is_global_owner:
+                for name, target in optimizer.state[rec.master].items():
+                    _copy_into(target, state_dict["dedicated"][rec.fqn][name])
+    for group in optimizer.param_groups:
+        saved = groups.get(group["name"])
+        if saved is not None:
+            group.update({k: v for k, v in saved.items() if k != "params"})
+
+
+def _check_entry(problems: list[str], section: str, fqn: str, entry, shapes: Mapping[str, tuple]):
+    if entry is None:
+        problems.append(f"  missing {section} entry {fqn}")
+        return
+    for name, shape in shapes.items():
+        if name not in entry:
+            problems.append(f"  {section} entry {fqn} lacks {name!r}")
+        elif tuple(entry[name].shape) != shape:
+            problems.append(f"  {section} {fqn}.{name}: shape {tuple(entry[name].shape)}, expected {shape}")

@@ -1,0 +1,100 @@
+"""Run a function on N real gloo ranks, with a hard timeout that kills every rank.
+
+Ranks are forked from a forkserver that imported torch once, so a 4-rank job starts in well
+under a second after the first. A rank that raises writes its traceback; the parent then kills
+the others (they are usually blocked in a collective) and raises with every traceback it has.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import socket
+import tempfile
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+
+_CTX = mp.get_context("forkserver")
+_CTX.set_forkserver_preload(["torch", "torch.distributed", "dmuon"])
+
+
+class RankFailed(RuntimeError):
+    pass
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _rank_main(fn, rank, world_size, port, args, kwargs, out_dir, env):
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(env)
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+    )
+    torch.set_num_threads(1)
+    code = 0
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=120))
+        result = fn(rank, world_size, *args, **kwargs)
+        torch.save(result, Path(out_dir) / f"rank{rank}.pt")
+        dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001 - report everything, including CheckpointException
+        Path(out_dir, f"rank{rank}.err").write_text(traceback.format_exc())
+        code = 1
+    os._exit(code)
+
+
+def run_ranks(fn, world_size: int, *args, timeout: float = 90.0, env: dict | None = None, **kwargs):
+    """Call ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` ranks; return results by rank."""
+    import torch
+
+    with tempfile.TemporaryDirectory(prefix="dmuon-ranks-") as out_dir:
+        port = free_port()
+        procs = [
+            _CTX.Process(
+                target=_rank_main,
+                args=(fn, rank, world_size, port, args, kwargs, out_dir, dict(env or {})),
+                daemon=True,
+            )
+            for rank in range(world_size)
+        ]
+        for proc in procs:
+            proc.start()
+        deadline = time.monotonic() + timeout
+        failed_at = None
+        while any(p.is_alive() for p in procs):
+            now = time.monotonic()
+            if failed_at is None and any(p.exitcode not in (None, 0) for p in procs):
+                failed_at = now
+            if now > deadline or (failed_at is not None and now - failed_at > 5.0):
+                break
+            time.sleep(0.02)
+        alive = [rank for rank, p in enumerate(procs) if p.is_alive()]
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+            proc.join(5)
+        errors = {
+            rank: Path(out_dir, f"rank{rank}.err").read_text()
+            for rank in range(world_size)
+            if Path(out_dir, f"rank{rank}.err").exists()
+        }
+        if errors:
+            detail = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items()))
+            raise RankFailed(f"{len(errors)} rank(s) failed:\n{detail}")
+        if alive and failed_at is None:
+            raise TimeoutError(f"ranks {alive} still running after {timeout:.0f}s (deadlock?); killed")
+        bad = {r: p.exitcode for r, p in enumerate(procs) if p.exitcode != 0}
+        if bad:
+            raise RankFailed(f"ranks exited abnormally without a traceback: {bad}")
+        return [
+            torch.load(Path(out_dir, f"rank{rank}.pt"), weights_only=False)
+            for rank in range(world_size)
+        ]
