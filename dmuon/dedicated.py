@@ -18,6 +18,7 @@ its shard column; :meth:`DedicatedParam.wait_replicate` drains that.
 from __future__ import annotations
 
 import hashlib
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -32,6 +33,22 @@ from .ownership import assign_owners
 from .topology import Topology, resolve_topology
 
 REGISTRY_ATTR = "_dmuon_registry"
+
+# storage of each live placeholder -> its record, so a plain model.state_dict() entry (a detached
+# view of the placeholder) can be traced back to the dedicated parameter it stands for.
+_PLACEHOLDERS: dict[int, weakref.ref] = {}
+
+
+def _storage_key(tensor: torch.Tensor) -> int:
+    return tensor.untyped_storage()._cdata
+
+
+def placeholder_record(tensor: torch.Tensor) -> "DedicatedParam | None":
+    ref = _PLACEHOLDERS.get(_storage_key(tensor))
+    rec = ref() if ref is not None else None
+    if rec is not None and _storage_key(rec._placeholder) == _storage_key(tensor):
+        return rec
+    return None
 
 
 class DedicatedParam:
@@ -61,6 +78,8 @@ class DedicatedParam:
             value = param.detach().to(device=topo.device, dtype=self.master_dtype, copy=True)
             self.master = nn.Parameter(value, requires_grad=param.requires_grad)
         self._placeholder = torch.empty(0, dtype=compute_dtype, device=topo.device)
+        key = _storage_key(self._placeholder)
+        _PLACEHOLDERS[key] = weakref.ref(self, lambda _ref, key=key: _PLACEHOLDERS.pop(key, None))
         self._unsharded = False
         self._replicate_work: dist.Work | None = None
         param.data = self._placeholder
