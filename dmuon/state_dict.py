@@ -95,8 +95,8 @@ def _from_global_owner(
 def _finish(tensor: torch.Tensor | None, cpu_offload: bool) -> torch.Tensor | None:
     if tensor is None:
         return None
-    tensor = tensor.detach()
-    return tensor.cpu() if cpu_offload else tensor.clone()
+    # Always a copy: the result must not alias live parameters or optimizer state.
+    return tensor.detach().to("cpu" if cpu_offload else tensor.device, copy=True)
 
 
 def _registry(model: nn.Module) -> DedicatedRegistry | None:
