@@ -38,23 +38,13 @@ from torch.distributed.checkpoint.utils import find_state_dict_object
 from torch.distributed._shard._utils import narrow_tensor_by_index
 
 from .. import __version__
+from .errors import CheckpointMismatchError
 from .state import OwnedTensor, current_rank, owned_from_placeholder, placeholder_owner
 
 log = logging.getLogger(__name__)
 
 RESERVED_KEY = "__dmuon__"
 FORMAT_VERSION = 1
-
-
-class CheckpointMismatchError(ValueError):
-    """The checkpoint does not fit the state dict being loaded; nothing was written."""
-
-    def __init__(self, problems: list[str]) -> None:
-        self.problems = problems
-        super().__init__(
-            f"checkpoint does not match the model/optimizer ({len(problems)} problem(s)); "
-            "nothing was loaded:\n  " + "\n  ".join(problems)
-        )
 
 
 def _split_owned(flat: dict[str, Any]) -> tuple[dict[str, Any], dict[str, OwnedTensor]]:
@@ -142,7 +132,7 @@ class DMuonSavePlanner(SavePlanner):
         return {
             "format": FORMAT_VERSION,
             "dmuon_version": __version__,
-            "torch_version": torch.__version__,
+            "torch_version": str(torch.__version__),
             "world_size": torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1,
             "topology": {"replicate": topology[0], "shard": topology[1]} if topology else None,
             "owners": {fqn: list(e.owner) for fqn, e in self.owned.items() if fqn.startswith("model.")},

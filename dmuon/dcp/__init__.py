@@ -1,0 +1,34 @@
+"""dmuon's DCP backend: owner-written sharded checkpoints on local disk, S3 and GCS."""
+from .api import AsyncSaveHandle, async_save, load, save
+from .errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointExistsError,
+    CheckpointIncompleteError,
+    CheckpointMismatchError,
+    CheckpointNotFoundError,
+    UnsafeCheckpointError,
+)
+from .planner import DMuonLoadPlanner, DMuonSavePlanner
+from .state import AppState, OwnedTensor
+from .storage import DMuonStorageReader, DMuonStorageWriter
+
+__all__ = [
+    "AppState",
+    "AsyncSaveHandle",
+    "CheckpointCorruptError",
+    "CheckpointError",
+    "CheckpointExistsError",
+    "CheckpointIncompleteError",
+    "CheckpointMismatchError",
+    "CheckpointNotFoundError",
+    "DMuonLoadPlanner",
+    "DMuonSavePlanner",
+    "DMuonStorageReader",
+    "DMuonStorageWriter",
+    "OwnedTensor",
+    "UnsafeCheckpointError",
+    "async_save",
+    "load",
+    "save",
+]

@@ -1,0 +1,42 @@
+"""Checkpoint errors. All are ordinary Exceptions (torch's CheckpointException is a BaseException
+that ``except Exception`` misses; dmuon's API converts it into :class:`CheckpointError`)."""
+from __future__ import annotations
+
+
+class CheckpointError(RuntimeError):
+    """A save or load failed; the message names the rank, key or file at fault."""
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    pass
+
+
+class CheckpointIncompleteError(CheckpointError):
+    """No ``.metadata``: the save that wrote these files never committed."""
+
+
+class CheckpointCorruptError(CheckpointError):
+    """A checksum, size or structural check failed; names the file."""
+
+
+class CheckpointExistsError(CheckpointError, FileExistsError):
+    """A committed checkpoint is already there and overwrite was not requested."""
+
+
+class UnsafeCheckpointError(CheckpointCorruptError):
+    """The checkpoint asks for something a checkpoint must never do (code, paths outside it)."""
+
+
+class CheckpointMismatchError(CheckpointError, ValueError):
+    """The checkpoint does not fit the state dict being loaded; nothing was written."""
+
+    def __init__(self, problems: list[str] | str) -> None:
+        if isinstance(problems, str):  # re-raised with a rank prefix by the API
+            self.problems = [problems]
+            super().__init__(problems)
+            return
+        self.problems = problems
+        super().__init__(
+            f"checkpoint does not match the model/optimizer ({len(problems)} problem(s)); "
+            "nothing was loaded:\n  " + "\n  ".join(problems)
+        )

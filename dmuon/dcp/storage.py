@@ -1,0 +1,674 @@
+"""Where checkpoint bytes go: URL -> store, DCP writer/reader, checksums, commit, safe metadata.
+
+One writer and one reader for every backend. A *store* hides the difference between a local
+directory (fsync, atomic rename, exclusive link) and an fsspec filesystem (``s3://``, ``gs://``,
+``memory://``...: one PUT per object, no fsync). This module knows nothing of models.
+
+Commit protocol of a save with id ``S``:
+
+1. every rank writes its data file ``__<rank>_<S>.distcp`` (new names: an existing checkpoint
+   at the same path is not touched), computing a CRC32 per file and per item as bytes go out;
+2. the coordinator writes the manifest ``.dmuon-manifest-<S>.json`` (sizes and CRCs of every
+   data file and item, and of the ``.metadata`` bytes about to be written, self-checksummed);
+3. the coordinator writes ``.metadata`` last: the one commit marker. Without ``overwrite`` this
+   is exclusive (a concurrent committed save makes it fail); with ``overwrite`` it replaces the
+   old one atomically, so a reader always sees the old or the new checkpoint, never a mixture;
+4. files of other saves at that path (older data files, manifests) are deleted.
+
+Loading verifies the ``.metadata`` bytes against the manifest before unpickling them with an
+allow-listed unpickler, rejects storage paths that leave the checkpoint, checks every item's
+size and CRC as it is read, and loads non-tensor entries with ``weights_only=True``.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import json
+import logging
+import os
+import pickle
+import re
+import uuid
+import zlib
+from collections import defaultdict
+from collections.abc import Iterator
+from typing import Any, BinaryIO
+
+# gcsfs >= 2026 probes a gRPC API on first use unless told not to; against emulators and
+# many private endpoints that stalls every call for minutes. Respect an explicit setting.
+os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+
+import torch  # noqa: E402
+from torch.futures import Future  # noqa: E402
+from torch.distributed._shard._utils import narrow_tensor_by_index  # noqa: E402
+from torch.distributed.checkpoint.filesystem import _StorageInfo  # noqa: E402
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta  # noqa: E402
+from torch.distributed.checkpoint.planner import (  # noqa: E402
+    LoadItemType,
+    LoadPlan,
+    LoadPlanner,
+    SavePlan,
+    SavePlanner,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult  # noqa: E402
+
+from .errors import (  # noqa: E402
+    CheckpointCorruptError,
+    CheckpointExistsError,
+    CheckpointIncompleteError,
+    CheckpointNotFoundError,
+    UnsafeCheckpointError,
+)
+
+log = logging.getLogger(__name__)
+
+METADATA = ".metadata"
+MANIFEST_PREFIX = ".dmuon-manifest-"
+MANIFEST_FORMAT = "dmuon-manifest/1"
+_DATA_FILE = re.compile(r"^__\d+_[0-9A-Za-z]+\.distcp$")
+_MANIFEST_FILE = re.compile(r"^\.dmuon-manifest-[0-9a-f]+\.json$")
+_TMP_FILE = re.compile(r"^\.(metadata|dmuon-manifest-[0-9a-f]+\.json)\.tmp-[0-9a-f]+$")
+_FILE_STATS = "__dmuon_file_stats__"
+
+
+# ---------------------------------------------------------------------------------------------
+# stores
+# ---------------------------------------------------------------------------------------------
+def checked_name(name: str) -> str:
+    """A file name inside the checkpoint: no separators, no '..', nothing absolute."""
+    if (
+        not isinstance(name, str)
+        or not name
+        or name in (".", "..")
+        or "/" in name
+        or "\\" in name
+        or "\x00" in name
+        or os.path.isabs(name)
+    ):
+        raise UnsafeCheckpointError(f"storage path {name!r} leaves the checkpoint directory; refused")
+    return name
+
+
+class LocalStore:
+    """A directory on a local or network filesystem; fsync makes each step durable."""
+
+    def __init__(self, root: str, sync_files: bool = True) -> None:
+        self.root = os.path.abspath(root)
+        self.url = self.root
+        self.sync_files = sync_files
+
+    def _path(self, name: str) -> str:
+        return os.path.join(self.root, checked_name(name))
+
+    def makedirs(self) -> None:
+        os.makedirs(self.root, exist_ok=True)
+
+    def is_dir(self) -> bool:
+        return os.path.isdir(self.root)
+
+    def list(self) -> dict[str, int]:
+        try:
+            return {e.name: e.stat().st_size for e in os.scandir(self.root) if e.is_file()}
+        except FileNotFoundError:
+            return {}
+
+    @contextlib.contextmanager
+    def open_write(self, name: str) -> Iterator[BinaryIO]:
+        path = self._path(name)
+        f = open(path, "wb")
+        try:
+            yield f
+            f.flush()
+            if self.sync_files:
+                os.fsync(f.fileno())
+            f.close()
+        except BaseException:
+            f.close()
+            with contextlib.suppress(OSError):
+                os.remove(path)
+            raise
+
+    def open_read(self, name: str) -> BinaryIO:
+        return open(self._path(name), "rb")
+
+    def read(self, name: str) -> bytes:
+        with self.open_read(name) as f:
+            return f.read()
+
+    def put(self, name: str, data: bytes, *, exclusive: bool = False) -> None:
+        """Atomic: the file appears whole or not at all. ``exclusive`` fails if it exists."""
+        final = self._path(name)
+        tmp = self._path(f"{name}.tmp-{uuid.uuid4().hex[:12]}")
+        with self.open_write(os.path.basename(tmp)) as f:
+            f.write(data)
+        try:
+            if exclusive:
+                os.link(tmp, final)  # atomic create-if-absent, unlike rename
+                os.remove(tmp)
+            else:
+                os.replace(tmp, final)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
+            raise
+        if self.sync_files:
+            self._sync_dir()
+
+    def _sync_dir(self) -> None:
+        with contextlib.suppress(OSError):
+            fd = os.open(self.root, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+    def delete(self, name: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(self._path(name))
+
+
+class FsspecStore:
+    """Any fsspec filesystem. Objects appear whole on close; fsync would add nothing there."""
+
+    def __init__(self, url: str, storage_options: dict | None = None) -> None:
+        import fsspec
+
+        self.fs, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
+        self.root = path.rstrip("/")
+        self.url = url.rstrip("/")
+
+    def _path(self, name: str) -> str:
+        return f"{self.root}/{checked_name(name)}"
+
+    def makedirs(self) -> None:
+        with contextlib.suppress(FileExistsError):
+            self.fs.makedirs(self.root, exist_ok=True)
+
+    def is_dir(self) -> bool:
+        return bool(self.list()) or self.fs.isdir(self.root)
+
+    def list(self) -> dict[str, int]:
+        try:
+            self.fs.invalidate_cache(self.root)
+            entries = self.fs.ls(self.root, detail=True)
+        except FileNotFoundError:
+            return {}
+        out = {}
+        for entry in entries:
+            if entry.get("type") == "file":
+                out[entry["name"].rstrip("/").rsplit("/", 1)[-1]] = int(entry.get("size") or 0)
+        return out
+
+    @contextlib.contextmanager
+    def open_write(self, name: str) -> Iterator[BinaryIO]:
+        path = self._path(name)
+        f = self.fs.open(path, "wb")
+        try:
+            yield f
+            f.close()
+        except BaseException:
+            # fsspec uploads whatever was buffered on close(); throw it away instead.
+            with contextlib.suppress(Exception):
+                if hasattr(f, "discard"):
+                    f.discard()
+                f.closed = True
+            with contextlib.suppress(Exception):
+                self.fs.rm_file(path)
+            raise
+
+    def open_read(self, name: str) -> BinaryIO:
+        return self.fs.open(self._path(name), "rb")
+
+    def read(self, name: str) -> bytes:
+        return self.fs.cat_file(self._path(name))
+
+    def put(self, name: str, data: bytes, *, exclusive: bool = False) -> None:
+        """One PUT: object stores make it appear whole or not at all.
+
+        ``exclusive`` checks for an existing object first; two committers racing within that
+        window are not excluded (S3 conditional writes are not available everywhere).
+        """
+        path = self._path(name)
+        if exclusive and self.fs.exists(path):
+            raise FileExistsError(path)
+        self.fs.pipe_file(path, data)
+
+    def delete(self, name: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.rm_file(self._path(name))
+
+
+Store = LocalStore | FsspecStore
+
+
+def is_remote(checkpoint_id: str | os.PathLike) -> bool:
+    text = os.fspath(checkpoint_id)
+    return "://" in text and not text.startswith("file://")
+
+
+def open_store(checkpoint_id: str | os.PathLike, storage_options: dict | None = None,
+               sync_files: bool | None = None) -> Store:
+    text = os.fspath(checkpoint_id)
+    if not is_remote(text):
+        path = text[len("file://"):] if text.startswith("file://") else text
+        return LocalStore(path, sync_files=True if sync_files is None else sync_files)
+    if sync_files:
+        log.info("sync_files ignored for %s: object stores have no fsync", text)
+    return FsspecStore(text, storage_options)
+
+
+# ---------------------------------------------------------------------------------------------
+# manifest
+# ---------------------------------------------------------------------------------------------
+def _crc(data) -> int:
+    return zlib.crc32(data) & 0xFFFFFFFF
+
+
+def manifest_name(save_id: str) -> str:
+    return f"{MANIFEST_PREFIX}{save_id}.json"
+
+
+def encode_manifest(save_id: str, files: dict[str, dict], metadata_bytes: bytes) -> bytes:
+    body = {
+        "format": MANIFEST_FORMAT,
+        "save_id": save_id,
+        "metadata": {"size": len(metadata_bytes), "crc32": _crc(metadata_bytes)},
+        "files": files,
+    }
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+    return json.dumps({"body": body, "crc32": _crc(canonical)}, sort_keys=True, indent=1).encode()
+
+
+def decode_manifest(name: str, data: bytes) -> dict:
+    try:
+        outer = json.loads(data)
+        body = outer["body"]
+        canonical = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+        ok = outer["crc32"] == _crc(canonical) and body.get("format") == MANIFEST_FORMAT
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+        ok = False
+    if not ok:
+        raise CheckpointCorruptError(f"checksum manifest {name} is corrupted (checksum or format mismatch)")
+    return body
+
+
+# ---------------------------------------------------------------------------------------------
+# allow-listed unpickling of .metadata
+# ---------------------------------------------------------------------------------------------
+_ALLOWED_GLOBALS = {
+    ("torch.distributed.checkpoint.metadata", name)
+    for name in (
+        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+        "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING",
+    )
+} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("pathlib", "PureWindowsPath"),
+    ("collections", "OrderedDict"),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        if (module, name) in _ALLOWED_GLOBALS:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise UnsafeCheckpointError(
+            f".metadata refers to {module}.{name}, which a checkpoint has no reason to contain; "
+            "refusing to unpickle it (it could run code)"
+        )
+
+
+def load_metadata_bytes(data: bytes, where: str) -> Metadata:
+    try:
+        metadata = _MetadataUnpickler(io.BytesIO(data)).load()
+    except UnsafeCheckpointError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - any decoding failure means a damaged file
+        raise CheckpointCorruptError(f"{where}: .metadata cannot be decoded ({exc})") from exc
+    if not isinstance(metadata, Metadata):
+        raise CheckpointCorruptError(f"{where}: .metadata holds a {type(metadata).__name__}, not DCP Metadata")
+    return metadata
+
+
+# ---------------------------------------------------------------------------------------------
+# the writer
+# ---------------------------------------------------------------------------------------------
+class _ChecksummingStream:
+    """Forwards writes, counting bytes and keeping a file CRC and a per-item CRC."""
+
+    def __init__(self, raw: BinaryIO) -> None:
+        self.raw = raw
+        self.pos = 0
+        self.file_crc = 0
+        self.item_crc = 0
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        self.raw.write(view)
+        self.file_crc = zlib.crc32(view, self.file_crc)
+        self.item_crc = zlib.crc32(view, self.item_crc)
+        self.pos += view.nbytes
+        return view.nbytes
+
+    def flush(self) -> None:
+        self.raw.flush()
+
+    def tell(self) -> int:
+        return self.pos
+
+
+def _cpu_compact(tensor: torch.Tensor) -> torch.Tensor:
+    """What torch.save should see: on CPU, contiguous, not a view into a larger storage."""
+    tensor = tensor.detach()
+    if tensor.device.type != "cpu":
+        tensor = tensor.cpu()
+    if not tensor.is_contiguous() or tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
+        tensor = tensor.contiguous().clone()
+    return tensor
+
+
+def _current_rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+class DMuonStorageWriter(StorageWriter):
+    """DCP storage writer for local paths and fsspec URLs with checksums and a safe commit."""
+
+    def __init__(
+        self,
+        checkpoint_id: str | os.PathLike | None = None,
+        *,
+        storage_options: dict | None = None,
+        overwrite: bool = False,
+        sync_files: bool | None = None,
+    ) -> None:
+        super().__init__()
+        self.storage_options = storage_options
+        self.overwrite = overwrite
+        self.sync_files = sync_files
+        self.store: Store | None = None
+        if checkpoint_id is not None:
+            self.reset(checkpoint_id)
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        if checkpoint_id is not None:
+            self.checkpoint_id = checkpoint_id
+            self.store = open_store(checkpoint_id, self.storage_options, self.sync_files)
+        self.save_id = None
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        if self.store is None:
+            raise ValueError("DMuonStorageWriter needs a checkpoint_id")
+        self.is_coordinator = is_coordinator
+        self.rank = kwargs.get("rank", _current_rank())
+        if is_coordinator:
+            self.store.makedirs()
+            if not self.overwrite and METADATA in self.store.list():
+                raise CheckpointExistsError(
+                    f"{self.store.url} already holds a committed checkpoint; pass overwrite=True to "
+                    "replace it (the old one stays readable until the new one commits)"
+                )
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        save_id = uuid.uuid4().hex[:16]
+        return [
+            dataclasses.replace(plan, storage_data={"save_id": save_id, "file": f"__{rank}_{save_id}.distcp"})
+            for rank, plan in enumerate(plans)
+        ]
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        info = plan.storage_data
+        self.save_id = info["save_id"]
+        results: list[WriteResult] = []
+        if plan.items:
+            name = info["file"]
+            # bytes first (small), then tensors in plan order
+            items = sorted(plan.items, key=lambda item: item.type != WriteItemType.BYTE_IO)
+            items_crc: dict[str, list[int]] = {}
+            with self.store.open_write(name) as raw:
+                stream = _ChecksummingStream(raw)
+                for item in items:
+                    data = planner.resolve_data(item)
+                    offset = stream.tell()
+                    stream.item_crc = 0
+                    if item.type == WriteItemType.BYTE_IO:
+                        stream.write(data.getbuffer())
+                    else:
+                        torch.save(_cpu_compact(data), stream)
+                    length = stream.tell() - offset
+                    items_crc[str(offset)] = [length, stream.item_crc & 0xFFFFFFFF]
+                    results.append(WriteResult(index=item.index, size_in_bytes=length,
+                                               storage_data=_StorageInfo(name, offset, length)))
+            stats = {"size": stream.tell(), "crc32": stream.file_crc & 0xFFFFFFFF, "items": items_crc}
+            results.append(WriteResult(index=MetadataIndex(f"{_FILE_STATS}{name}"), size_in_bytes=0,
+                                       storage_data={"file": name, **stats}))
+        future: Future = Future()
+        future.set_result(results)
+        return future
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        files: dict[str, dict] = {}
+        storage_data = {}
+        for rank_results in results:
+            for result in rank_results:
+                if result.index.fqn.startswith(_FILE_STATS):
+                    stats = dict(result.storage_data)
+                    files[stats.pop("file")] = stats
+                else:
+                    storage_data[result.index] = result.storage_data
+        save_id = self.save_id or uuid.uuid4().hex[:16]
+        metadata.storage_data = storage_data
+        metadata.storage_meta = StorageMeta(checkpoint_id=str(self.store.url), save_id=save_id)
+        metadata_bytes = pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)
+        self.store.put(manifest_name(save_id), encode_manifest(save_id, files, metadata_bytes))
+        try:
+            self.store.put(METADATA, metadata_bytes, exclusive=not self.overwrite)
+        except FileExistsError as exc:
+            for name in list(files) + [manifest_name(save_id)]:
+                self.store.delete(name)
+            raise CheckpointExistsError(
+                f"{self.store.url}: another save committed first; this save's files were removed"
+            ) from exc
+        self._collect_garbage(keep=set(files) | {manifest_name(save_id), METADATA})
+
+    def _collect_garbage(self, keep: set[str]) -> None:
+        """Delete files of earlier or failed saves at this path (only names dmuon/DCP writes)."""
+        for name in self.store.list():
+            if name in keep:
+                continue
+            if _DATA_FILE.match(name) or _MANIFEST_FILE.match(name) or _TMP_FILE.match(name):
+                try:
+                    self.store.delete(name)
+                except OSError as exc:  # garbage left behind is harmless; say so and go on
+                    log.warning("could not remove stale checkpoint file %s: %s", name, exc)
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=str(self.store.url) if self.store else None)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return isinstance(checkpoint_id, (str, os.PathLike))
+
+
+# ---------------------------------------------------------------------------------------------
+# the reader
+# ---------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class CheckpointListing:
+    """What a checkpoint directory holds, checked for completeness and integrity of .metadata."""
+
+    store: Store
+    files: dict[str, int]
+    metadata: Metadata
+    manifest: dict | None
+    manifest_file: str | None
+
+
+def _problem_free_storage(listing_files: dict[str, int], metadata: Metadata, manifest: dict | None, where: str):
+    """Every referenced file exists, is named safely, and holds the referenced byte ranges."""
+    for index, info in metadata.storage_data.items():
+        if not isinstance(info, _StorageInfo):
+            raise CheckpointCorruptError(f"{where}: storage entry for {index.fqn} is not a file range")
+        name = checked_name(info.relative_path)
+        size = listing_files.get(name)
+        if size is None:
+            raise CheckpointCorruptError(f"{where}: data file {name} (holding {index.fqn}) is missing")
+        if info.offset < 0 or info.length < 0 or info.offset + info.length > size:
+            raise CheckpointCorruptError(
+                f"{where}: {index.fqn} claims bytes {info.offset}..{info.offset + info.length} of {name}, "
+                f"which has {size} bytes"
+            )
+        if manifest is not None:
+            stats = manifest["files"].get(name)
+            if stats is None:
+                raise CheckpointCorruptError(f"{where}: data file {name} is not in the checksum manifest")
+            if stats["size"] != size:
+                raise CheckpointCorruptError(
+                    f"{where}: data file {name} has {size} bytes, the manifest says {stats['size']} (truncated?)"
+                )
+            if stats["items"].get(str(info.offset), [None])[0] != info.length:
+                raise CheckpointCorruptError(f"{where}: {index.fqn} in {name} does not match the manifest")
+
+
+def open_checkpoint(checkpoint_id: str | os.PathLike, storage_options: dict | None = None,
+                    store: Store | None = None) -> CheckpointListing:
+    """List, verify and decode a checkpoint's metadata (no data file is read)."""
+    store = store or open_store(checkpoint_id, storage_options)
+    files = store.list()
+    where = store.url
+    if METADATA not in files:
+        if not files and not store.is_dir():
+            raise CheckpointNotFoundError(f"no checkpoint at {where}")
+        raise CheckpointIncompleteError(
+            f"{where} is incomplete: it has no .metadata (the save that wrote it did not finish); "
+            "refusing to load it"
+        )
+    metadata_bytes = store.read(METADATA)
+    manifests = sorted(name for name in files if _MANIFEST_FILE.match(name))
+    manifest = manifest_file = None
+    corrupt_manifest = None
+    for name in manifests:
+        try:
+            body = decode_manifest(name, store.read(name))
+        except CheckpointCorruptError as exc:
+            corrupt_manifest = exc
+            continue
+        if body["metadata"] == {"size": len(metadata_bytes), "crc32": _crc(metadata_bytes)}:
+            manifest, manifest_file = body, name
+            break
+    if manifests and manifest is None:
+        if corrupt_manifest is not None and len(manifests) == 1:
+            raise corrupt_manifest
+        raise CheckpointCorruptError(
+            f"{where}: .metadata does not match its checksum manifest ({', '.join(manifests)}): "
+            ".metadata is corrupted"
+        )
+    if not manifests:
+        log.warning("%s has no dmuon checksum manifest (not written by dmuon?): loading unverified", where)
+    metadata = load_metadata_bytes(metadata_bytes, where)
+    _problem_free_storage(files, metadata, manifest, where)
+    return CheckpointListing(store, files, metadata, manifest, manifest_file)
+
+
+class DMuonStorageReader(StorageReader):
+    """DCP storage reader for local paths and fsspec URLs; verifies as it reads."""
+
+    def __init__(self, checkpoint_id: str | os.PathLike | None = None, *,
+                 storage_options: dict | None = None) -> None:
+        super().__init__()
+        self.storage_options = storage_options
+        self.listing: CheckpointListing | None = None
+        if checkpoint_id is not None:
+            self.reset(checkpoint_id)
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        if checkpoint_id is not None:
+            self.checkpoint_id = checkpoint_id
+        self.listing = None
+
+    def read_metadata(self) -> Metadata:
+        # No **kwargs on purpose: torch then never falls back to per-rank metadata files.
+        self.listing = open_checkpoint(self.checkpoint_id, self.storage_options)
+        return self.listing.metadata
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        if self.listing is None:
+            self.read_metadata()
+        self.storage_data = metadata.storage_data
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def _verify_item(self, name: str, info: _StorageInfo, data: bytes, fqn: str) -> None:
+        if len(data) != info.length:
+            raise CheckpointCorruptError(
+                f"{self.listing.store.url}/{name}: short read for {fqn} ({len(data)} of {info.length} bytes); "
+                "the file is truncated"
+            )
+        manifest = self.listing.manifest
+        if manifest is None:
+            return
+        expected = manifest["files"][name]["items"].get(str(info.offset))
+        if expected is None or expected[1] != _crc(data):
+            raise CheckpointCorruptError(
+                f"checksum mismatch in {self.listing.store.url}/{name} at offset {info.offset} ({fqn}): "
+                "the data file is corrupted"
+            )
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        per_file: dict[str, dict[MetadataIndex, list]] = defaultdict(lambda: defaultdict(list))
+        for req in plan.items:
+            info: _StorageInfo = self.storage_data[req.storage_index]
+            per_file[info.relative_path][req.storage_index].append(req)
+        store = self.listing.store
+        for name, by_index in per_file.items():
+            ordered = sorted(by_index.items(), key=lambda kv: self.storage_data[kv[0]].offset)
+            with store.open_read(checked_name(name)) as stream:
+                for index, reqs in ordered:
+                    info = self.storage_data[index]
+                    stream.seek(info.offset)
+                    data = stream.read(info.length)
+                    self._verify_item(name, info, data, index.fqn)
+                    self._deliver(planner, reqs, data)
+        future: Future = Future()
+        future.set_result(None)
+        return future
+
+    @staticmethod
+    def _deliver(planner: LoadPlanner, reqs: list, data: bytes) -> None:
+        if reqs[0].type == LoadItemType.BYTE_IO:
+            for req in reqs:
+                planner.load_bytes(req, io.BytesIO(data))
+            return
+        saved = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        for req in reqs:
+            piece = narrow_tensor_by_index(saved, req.storage_offsets, req.lengths)
+            target = planner.resolve_tensor(req).detach()
+            if target.size() != piece.size():
+                raise CheckpointCorruptError(
+                    f"{req.storage_index.fqn}: stored chunk has shape {tuple(piece.size())}, "
+                    f"expected {tuple(target.size())}"
+                )
+            target.copy_(piece)
+            planner.commit_tensor(req, target)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return isinstance(checkpoint_id, (str, os.PathLike))
