@@ -7,3 +7,34 @@ ROOT = Path(__file__).resolve().parent.parent
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory):
+    """A real S3 server (SeaweedFS) on 127.0.0.1, for the whole session."""
+    from tests.helpers.object_storage import SeaweedS3
+
+    server = SeaweedS3(tmp_path_factory.mktemp("seaweedfs"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def gcs_server(tmp_path_factory):
+    """A GCS emulator (fake-gcs-server) on 127.0.0.1, for the whole session."""
+    from tests.helpers.object_storage import FakeGCS
+
+    server = FakeGCS(tmp_path_factory.mktemp("fake-gcs"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(params=["local", "s3", "gcs"])
+def any_storage(request, tmp_path):
+    """(checkpoint url factory, storage_options) on each backend."""
+    if request.param == "local":
+        return (lambda name="ckpt": str(tmp_path / name)), None
+    server = request.getfixturevalue(f"{request.param}_server")
+    return server.url, server.storage_options

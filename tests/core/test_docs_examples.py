@@ -21,7 +21,7 @@ def flat_examples_worker(rank, world, workdir, phase):
     from safetensors.torch import save_file
 
     import dmuon
-    from tests.core.test_state_dict import build, local_batch, train
+    from tests.helpers.training import build, train
     from tests.helpers.models import TinyTransformer
 
     os.chdir(workdir)

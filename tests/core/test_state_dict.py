@@ -8,35 +8,11 @@ from safetensors.torch import load_file, save_file
 import dmuon
 from tests.helpers.launch import RankFailed, run_ranks
 from tests.helpers.memory import PeakRSS, return_freed_memory_to_os
-from tests.helpers.models import OddShapes, TinyTransformer, batch, lm_loss, proj_predicate
+from tests.helpers.models import OddShapes, TinyTransformer
 from tests.helpers.setup import make_mesh, max_abs_diff, shard_model
+from tests.helpers.training import build, local_batch, train
 
 STEPS = 6
-PER_RANK = 2
-GLOBAL_BATCH = 8  # divisible by 1, 2 and 4 ranks: every topology sees the same global batch
-
-
-def local_batch(step, rank, world):
-    per = GLOBAL_BATCH // world
-    return batch(step, GLOBAL_BATCH)[rank * per:(rank + 1) * per]
-
-
-def train(model, opt, rank, world, steps):
-    losses = []
-    for step in steps:
-        loss = lm_loss(model, local_batch(step, rank, world))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
-
-
-def build(replicate=1, model_cls=TinyTransformer, predicate=proj_predicate):
-    torch.manual_seed(0)
-    model = model_cls()
-    _, opt = shard_model(model, make_mesh(replicate), predicate)
-    return model, opt
 
 
 def save_flat(model, opt, path, step):
