@@ -1,0 +1,79 @@
+"""async_save: returns after staging, writes in the background on its own group."""
+import pytest
+
+import dmuon
+import dmuon.dcp as ddcp
+from tests.helpers.launch import run_ranks
+from tests.helpers.setup import max_abs_diff
+from tests.helpers.training import build, train
+
+
+def async_worker(rank, world, path, replicate):
+    model, opt = build(replicate)
+    train(model, opt, rank, world, range(2))
+    snapshot = dmuon.get_model_state_dict(model, rank0_only=False)
+    snapshot_optim = dmuon.get_optimizer_state_dict(model, opt, rank0_only=False)
+    handle = ddcp.async_save(model, opt, path, extra={"step": 2})
+    running_after_return = not handle.done()
+    # training (collectives on the training group) goes on while the write runs
+    losses = train(model, opt, rank, world, range(2, 5))
+    handle.wait()
+    assert handle.done()
+    fresh, fresh_opt = build(replicate)
+    extra = ddcp.load(fresh, fresh_opt, path)
+    loaded = dmuon.get_model_state_dict(fresh, rank0_only=False)
+    loaded_optim = dmuon.get_optimizer_state_dict(fresh, fresh_opt, rank0_only=False)
+    return {
+        "extra": extra,
+        "model_diff": max_abs_diff(loaded, snapshot),
+        "optim_diff": max(max_abs_diff(loaded_optim[s][k], snapshot_optim[s][k])
+                          for s in ("fsdp2", "dedicated") for k in snapshot_optim[s]),
+        "moved_on": max_abs_diff(dmuon.get_model_state_dict(model, rank0_only=False), snapshot),
+        "losses": losses,
+        "running_after_return": running_after_return,
+    }
+
+
+def reference_worker(rank, world, replicate):
+    model, opt = build(replicate)
+    return train(model, opt, rank, world, range(5))[2:]
+
+
+@pytest.mark.parametrize("world,replicate", [(2, 1), (4, 2)], ids=["2ranks", "hsdp2x2"])
+def test_mutations_after_return_never_reach_the_checkpoint(tmp_path, world, replicate):
+    results = run_ranks(async_worker, world, str(tmp_path / "ckpt"), replicate)
+    reference = run_ranks(reference_worker, world, replicate)
+    for rank, res in enumerate(results):
+        assert res["extra"] == {"step": 2}
+        assert res["model_diff"] == 0.0 and res["optim_diff"] == 0.0
+        assert res["moved_on"] > 0.0  # training did change the live model after the call
+        assert res["losses"] == reference[rank]  # the background write did not disturb training
+
+
+def failing_async_worker(rank, world, path):
+    model, opt = build()
+    handle = ddcp.async_save(model, opt, path)  # path is a regular file: the write must fail
+    outcome = {}
+    try:
+        handle.wait(timeout=60)
+        outcome["wait"] = None
+    except ddcp.CheckpointError as exc:
+        outcome["wait"] = str(exc)
+    handle2 = ddcp.async_save(model, opt, path)
+    try:
+        ddcp.save(model, opt, path + ".ok")  # the next save surfaces the unobserved failure
+        outcome["next_save"] = None
+    except ddcp.CheckpointError as exc:
+        outcome["next_save"] = str(exc)
+    outcome["done"] = handle2.done()
+    return outcome
+
+
+def test_background_failure_surfaces_on_wait_and_at_next_save(tmp_path):
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("x")
+    for res in run_ranks(failing_async_worker, 2, str(blocker)):
+        assert res["wait"] and "async save" in res["wait"]
+        assert res["next_save"] and "async save" in res["next_save"]
+        assert res["done"]
+    assert blocker.read_text() == "x"
