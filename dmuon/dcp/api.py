@@ -151,7 +151,8 @@ def _stage(value: Any) -> Any:
         return tuple(_stage(v) for v in value)
     if isinstance(value, OwnedTensor):
         local = _stage(value.local) if value.local is not None else None
-        return OwnedTensor(value.shape, value.dtype, value.writer, local, value.owner, value.topology)
+        return OwnedTensor(value.shape, value.dtype, value.writer, local, value.owner, value.topology,
+                           value.aliases)
     if isinstance(value, DTensor):
         local = _stage(value.to_local())
         return DTensor.from_local(local, value.device_mesh, value.placements, run_check=False,

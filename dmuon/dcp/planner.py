@@ -137,6 +137,8 @@ class DMuonSavePlanner(SavePlanner):
             "topology": {"replicate": topology[0], "shard": topology[1]} if topology else None,
             "owners": {fqn: list(e.owner) for fqn, e in self.owned.items() if fqn.startswith("model.")},
             "writers": {fqn: e.writer for fqn, e in self.owned.items()},
+            "aliases": {alias: fqn[len("model."):] for fqn, e in self.owned.items()
+                        if fqn.startswith("model.") for alias in e.aliases},
         }
 
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:

@@ -33,6 +33,7 @@ class OwnedTensor:
     local: torch.Tensor | None = None
     owner: tuple[int, int] = (0, 0)       # (replicate, shard) slot, recorded in the metadata
     topology: tuple[int, int] = (1, 1)    # (replicate, shard) sizes at save
+    aliases: tuple[str, ...] = ()         # other names of a tied parameter (saved once)
 
     def __reduce__(self):
         # Reaching pickle means a planner other than dmuon's met the marker (it would write a
@@ -67,6 +68,7 @@ def model_state(model: nn.Module) -> dict[str, Any]:
         elif key == rec.fqn:  # tied aliases are saved once, under the canonical name
             master = rec.master.detach() if rec.master is not None else None
             out[key] = _owned(rec, master, only_global_owner=False)
+            out[key].aliases = tuple(a for a in rec.aliases if a != rec.fqn)
     return out
 
 

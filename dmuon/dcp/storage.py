@@ -509,13 +509,70 @@ class DMuonStorageWriter(StorageWriter):
 # ---------------------------------------------------------------------------------------------
 @dataclasses.dataclass
 class CheckpointListing:
-    """What a checkpoint directory holds, checked for completeness and integrity of .metadata."""
+    """A committed checkpoint: its files, verified metadata and manifest; reads verified items."""
 
     store: Store
     files: dict[str, int]
     metadata: Metadata
     manifest: dict | None
     manifest_file: str | None
+
+    def verify_item(self, name: str, info: _StorageInfo, data: bytes, fqn: str) -> None:
+        if len(data) != info.length:
+            raise CheckpointCorruptError(
+                f"{self.store.url}/{name}: short read for {fqn} ({len(data)} of {info.length} bytes); "
+                "the file is truncated"
+            )
+        if self.manifest is None:
+            return
+        expected = self.manifest["files"][name]["items"].get(str(info.offset))
+        if expected is None or expected[1] != _crc(data):
+            raise CheckpointCorruptError(
+                f"checksum mismatch in {self.store.url}/{name} at offset {info.offset} ({fqn}): "
+                "the data file is corrupted"
+            )
+
+    def read_item(self, index: MetadataIndex, stream: BinaryIO | None = None) -> bytes:
+        """The verified bytes of one stored item (a ``torch.save`` payload or raw bytes)."""
+        info = self.metadata.storage_data[index]
+        name = checked_name(info.relative_path)
+        with contextlib.ExitStack() as stack:
+            if stream is None:
+                stream = stack.enter_context(self.store.open_read(name))
+            stream.seek(info.offset)
+            data = stream.read(info.length)
+        self.verify_item(name, info, data, index.fqn)
+        return data
+
+    def read_tensor(self, index: MetadataIndex, stream: BinaryIO | None = None) -> torch.Tensor:
+        data = self.read_item(index, stream)
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+
+    def planner_info(self) -> dict:
+        return (self.metadata.planner_data or {}).get("__dmuon__", {})
+
+    def verify_files(self, progress=None) -> list[str]:
+        """Re-read every data file in full and compare sizes and CRCs with the manifest."""
+        if self.manifest is None:
+            return [f"{self.store.url}: no checksum manifest; nothing to verify against"]
+        problems = []
+        for name, stats in sorted(self.manifest["files"].items()):
+            size, crc = 0, 0
+            try:
+                with self.store.open_read(checked_name(name)) as stream:
+                    while chunk := stream.read(8 << 20):
+                        crc = zlib.crc32(chunk, crc)
+                        size += len(chunk)
+                        if progress is not None:
+                            progress(len(chunk))
+            except FileNotFoundError:
+                problems.append(f"{name}: missing")
+                continue
+            if size != stats["size"]:
+                problems.append(f"{name}: {size} bytes, the manifest says {stats['size']} (truncated or extended)")
+            elif (crc & 0xFFFFFFFF) != stats["crc32"]:
+                problems.append(f"{name}: checksum mismatch (corrupted)")
+        return problems
 
 
 def _problem_free_storage(listing_files: dict[str, int], metadata: Metadata, manifest: dict | None, where: str):
@@ -616,22 +673,6 @@ class DMuonStorageReader(StorageReader):
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
         return plans
 
-    def _verify_item(self, name: str, info: _StorageInfo, data: bytes, fqn: str) -> None:
-        if len(data) != info.length:
-            raise CheckpointCorruptError(
-                f"{self.listing.store.url}/{name}: short read for {fqn} ({len(data)} of {info.length} bytes); "
-                "the file is truncated"
-            )
-        manifest = self.listing.manifest
-        if manifest is None:
-            return
-        expected = manifest["files"][name]["items"].get(str(info.offset))
-        if expected is None or expected[1] != _crc(data):
-            raise CheckpointCorruptError(
-                f"checksum mismatch in {self.listing.store.url}/{name} at offset {info.offset} ({fqn}): "
-                "the data file is corrupted"
-            )
-
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         per_file: dict[str, dict[MetadataIndex, list]] = defaultdict(lambda: defaultdict(list))
         for req in plan.items:
@@ -642,11 +683,7 @@ class DMuonStorageReader(StorageReader):
             ordered = sorted(by_index.items(), key=lambda kv: self.storage_data[kv[0]].offset)
             with store.open_read(checked_name(name)) as stream:
                 for index, reqs in ordered:
-                    info = self.storage_data[index]
-                    stream.seek(info.offset)
-                    data = stream.read(info.length)
-                    self._verify_item(name, info, data, index.fqn)
-                    self._deliver(planner, reqs, data)
+                    self._deliver(planner, reqs, self.listing.read_item(index, stream))
         future: Future = Future()
         future.set_result(None)
         return future
