@@ -8,7 +8,7 @@ copy out the part each rank holds, without any communication.
 """
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -132,28 +132,81 @@ def get_model_state_dict(
     return out
 
 
-def _expected_shapes(model: nn.Module) -> dict[str, torch.Size]:
+def expected_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
+    """Global shape of every key of the unwrapped model's ``state_dict()``."""
     registry = get_registry(model)
     dedicated = registry.by_alias() if registry is not None else {}
-    shapes = {}
-    for key, value in model.state_dict(keep_vars=True).items():
-        shapes[key] = dedicated[key].shape if key in dedicated else value.shape
-    return shapes
-
-
-def _format_problems(what: str, missing, unexpected, wrong_shape) -> str:
-    parts = [f"{what}:"]
-    if missing:
-        parts.append(f"  missing keys ({len(missing)}): {', '.join(sorted(missing))}")
-    if unexpected:
-        parts.append(f"  unexpected keys ({len(unexpected)}): {', '.join(sorted(unexpected))}")
-    for key, (got, want) in sorted(wrong_shape.items()):
-        parts.append(f"  wrong shape for {key}: checkpoint has {tuple(got)}, model expects {tuple(want)}")
-    return "\n".join(parts)
+    return {
+        key: tuple(dedicated[key].shape if key in dedicated else value.shape)
+        for key, value in model.state_dict(keep_vars=True).items()
+    }
 
 
 class StateDictError(RuntimeError):
     """Raised before anything is written when a state dict does not fit the model."""
+
+
+def check_fits(model: nn.Module, shapes: Mapping[str, tuple[int, ...]], *, strict: bool, what: str) -> None:
+    """Raise one :class:`StateDictError` listing every missing, unexpected or misshapen key."""
+    expected = expected_shapes(model)
+    missing = [k for k in expected if k not in shapes] if strict else []
+    unexpected = [k for k in shapes if k not in expected] if strict else []
+    wrong = {k: (tuple(shapes[k]), v) for k, v in expected.items() if k in shapes and tuple(shapes[k]) != v}
+    if not (missing or unexpected or wrong):
+        return
+    parts = [f"{what}: the state dict does not fit the model (nothing was loaded):"]
+    if missing:
+        parts.append(f"  missing keys ({len(missing)}): {', '.join(sorted(missing))}")
+    if unexpected:
+        parts.append(f"  unexpected keys ({len(unexpected)}): {', '.join(sorted(unexpected))}")
+    for key, (got, want) in sorted(wrong.items()):
+        parts.append(f"  wrong shape for {key}: checkpoint has {got}, model expects {want}")
+    raise StateDictError("\n".join(parts))
+
+
+def local_row_range(tensor: DTensor) -> tuple[int, int] | None:
+    """Rows ``[start, stop)`` of the global tensor held here, for FSDP2 / HSDP Shard(0) layouts."""
+    dim = _single_shard_dim(tensor)
+    if dim is None:
+        return None
+    k = tensor.device_mesh.size(dim)
+    index = tensor.device_mesh.get_coordinate()[dim]
+    rows = tensor.shape[0]
+    chunk = -(-rows // k) if rows else 0
+    start = min(index * chunk, rows)
+    stop = min(start + chunk, rows)
+    if tensor.to_local().shape[0] != stop - start:
+        return None  # not torch.chunk semantics: let the caller slice generically
+    return start, stop
+
+
+Fetch = Callable[[str, "tuple[int, int] | None"], torch.Tensor]
+
+
+def write_full_state(model: nn.Module, keys: Iterable[str], fetch: Fetch) -> None:
+    """Copy full tensors into the model, each rank only its part.
+
+    ``fetch(key, rows)`` returns rows ``[start, stop)`` of the full tensor, or all of it when
+    ``rows`` is None; it is only called for what this rank holds, so a reader behind it can
+    read just those bytes.
+    """
+    registry = _registry(model)
+    dedicated = registry.by_alias() if registry is not None else {}
+    wanted = set(keys)
+    with torch.no_grad():
+        for key, target in model.state_dict(keep_vars=True).items():
+            if key not in wanted:
+                continue
+            rec = dedicated.get(key)
+            if rec is not None:
+                if rec.holds_master:
+                    rec.master.copy_(fetch(key, None))
+            elif isinstance(target, DTensor) and (rows := local_row_range(target)) is not None:
+                target.to_local().copy_(fetch(key, rows))
+            else:
+                _copy_into(target, fetch(key, None))
+    if registry is not None:
+        registry.reshard_all()  # drop full copies that predate the load
 
 
 def _copy_into(target: torch.Tensor, full: torch.Tensor) -> None:
@@ -179,32 +232,15 @@ def set_model_state_dict(
     Every problem is collected and raised in one :class:`StateDictError` before any tensor is
     written. With ``strict=False`` missing and unexpected keys are skipped; wrong shapes never are.
     """
-    registry = _registry(model)
-    expected = _expected_shapes(model)
-    missing = [k for k in expected if k not in state_dict]
-    unexpected = [k for k in state_dict if k not in expected]
-    wrong_shape = {
-        k: (tuple(state_dict[k].shape), expected[k])
-        for k in expected
-        if k in state_dict and tuple(state_dict[k].shape) != tuple(expected[k])
-    }
-    if wrong_shape or (strict and (missing or unexpected)):
-        raise StateDictError(
-            _format_problems("set_model_state_dict: the state dict does not fit the model", missing if strict else [], unexpected if strict else [], wrong_shape)
-        )
-    dedicated = registry.by_alias() if registry is not None else {}
-    targets = model.state_dict(keep_vars=True)
-    with torch.no_grad():
-        for key, target in targets.items():
-            if key not in state_dict:
-                continue
-            rec = dedicated.get(key)
-            if rec is None:
-                _copy_into(target, state_dict[key])
-            elif rec.holds_master:
-                rec.master.copy_(state_dict[key].detach())
-    if registry is not None:
-        registry.reshard_all()  # drop full copies that predate the load
+    _registry(model)  # drain before validating: nothing may race the writes below
+    check_fits(model, {k: tuple(v.shape) for k, v in state_dict.items()}, strict=strict,
+               what="set_model_state_dict")
+
+    def fetch(key: str, rows: tuple[int, int] | None) -> torch.Tensor:
+        value = state_dict[key]
+        return value if rows is None else value[rows[0]:rows[1]]
+
+    write_full_state(model, state_dict.keys(), fetch)
 
 
 # ---------------------------------------------------------------------------------------------
