@@ -1,5 +1,7 @@
 """dmuon's DCP backend: owner-written sharded checkpoints on local disk, S3 and GCS."""
 from .api import AsyncSaveHandle, async_save, load, save
+from .export import export
+from .manager import CheckpointManager
 from .errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -20,6 +22,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointExistsError",
     "CheckpointIncompleteError",
+    "CheckpointManager",
     "CheckpointMismatchError",
     "CheckpointNotFoundError",
     "DMuonLoadPlanner",
@@ -29,6 +32,7 @@ __all__ = [
     "OwnedTensor",
     "UnsafeCheckpointError",
     "async_save",
+    "export",
     "load",
     "save",
 ]

@@ -168,6 +168,20 @@ class LocalStore:
         with contextlib.suppress(FileNotFoundError):
             os.remove(self._path(name))
 
+    def child(self, name: str) -> "LocalStore":
+        return LocalStore(self._path(name), self.sync_files)
+
+    def list_dirs(self) -> list[str]:
+        try:
+            return [e.name for e in os.scandir(self.root) if e.is_dir()]
+        except FileNotFoundError:
+            return []
+
+    def remove_tree(self) -> None:
+        import shutil
+
+        shutil.rmtree(self.root, ignore_errors=True)
+
 
 class FsspecStore:
     """Any fsspec filesystem. Objects appear whole on close; fsync would add nothing there."""
@@ -238,6 +252,30 @@ class FsspecStore:
     def delete(self, name: str) -> None:
         with contextlib.suppress(FileNotFoundError):
             self.fs.rm_file(self._path(name))
+
+    def child(self, name: str) -> "FsspecStore":
+        child = object.__new__(FsspecStore)
+        child.fs, child.root, child.url = self.fs, self._path(name), f"{self.url}/{checked_name(name)}"
+        return child
+
+    def list_dirs(self) -> list[str]:
+        try:
+            self.fs.invalidate_cache(self.root)
+            entries = self.fs.ls(self.root, detail=True)
+        except FileNotFoundError:
+            return []
+        return [e["name"].rstrip("/").rsplit("/", 1)[-1] for e in entries if e.get("type") == "directory"]
+
+    def remove_tree(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.rm(self.root, recursive=True)
+
+
+def remove_checkpoint(store: "Store") -> None:
+    """Un-commit first (.metadata), then delete: a crash midway leaves an incomplete directory,
+    never a committed checkpoint with missing files."""
+    store.delete(METADATA)
+    store.remove_tree()
 
 
 Store = LocalStore | FsspecStore

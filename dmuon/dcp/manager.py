@@ -1,0 +1,129 @@
+"""Step-numbered checkpoints under one root, with retention and crash recovery."""
+from __future__ import annotations
+
+import logging
+import os
+import re
+
+import torch.distributed as dist
+from torch import nn
+
+from ..optim.muon import Muon
+from . import api
+from .errors import CheckpointCorruptError, CheckpointError, CheckpointIncompleteError
+from .storage import METADATA, open_store, remove_checkpoint
+
+log = logging.getLogger(__name__)
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+class CheckpointManager:
+    """``root/step-<N>`` checkpoints: save, resume from the newest good one, keep the last few.
+
+    Retention never deletes the newest committed step nor the one being written; steps that a
+    crash left without ``.metadata`` are ignored by :meth:`steps` and deleted. Deleting removes
+    ``.metadata`` first, so an interrupted deletion can only leave an incomplete directory.
+    """
+
+    def __init__(self, root: str | os.PathLike, *, keep_last: int = 3, async_save: bool = False,
+                 storage_options: dict | None = None) -> None:
+        if keep_last < 1:
+            raise ValueError(f"keep_last must be >= 1, got {keep_last}")
+        if async_save and keep_last < 2:
+            raise ValueError("with async_save, keep_last must be >= 2: the step being written "
+                             "cannot count as the only one kept")
+        self.root = os.fspath(root).rstrip("/")
+        self.keep_last = keep_last
+        self.async_save = async_save
+        self.storage_options = storage_options
+        self.store = open_store(self.root, storage_options)
+        self._in_flight: tuple[int, api.AsyncSaveHandle] | None = None
+        self.last_extra: dict = {}  # what load_latest's checkpoint carried in ``extra``
+
+    def path(self, step: int) -> str:
+        return f"{self.root}/step-{step}"
+
+    def _step_dirs(self) -> dict[int, str]:
+        out = {}
+        for name in self.store.list_dirs():
+            match = _STEP_DIR.match(name)
+            if match:
+                out[int(match.group(1))] = name
+        return out
+
+    def steps(self) -> list[int]:
+        """Committed steps, oldest first."""
+        return sorted(step for step, name in self._step_dirs().items()
+                      if METADATA in self.store.child(name).list())
+
+    def _writing(self) -> int | None:
+        if self._in_flight is not None and not self._in_flight[1].done():
+            return self._in_flight[0]
+        return None
+
+    def save(self, step: int, model: nn.Module, optimizer: Muon | None, extra: dict | None = None) -> None:
+        """Collective. A step saved twice (after a resume) is replaced safely."""
+        if self._in_flight is not None:
+            self._in_flight[1].wait()  # raises if the previous async save failed
+            self._in_flight = None
+        path = self.path(step)
+        if self.async_save:
+            handle = api.async_save(model, optimizer, path, extra=extra,
+                                    storage_options=self.storage_options, overwrite=True)
+            self._in_flight = (step, handle)
+        else:
+            api.save(model, optimizer, path, extra=extra, storage_options=self.storage_options, overwrite=True)
+        if _rank() == 0:
+            self.clean_up()
+
+    def wait(self) -> None:
+        """Block until an async save finishes; raise its error."""
+        if self._in_flight is not None:
+            handle, self._in_flight = self._in_flight[1], None
+            handle.wait()
+
+    def clean_up(self) -> list[int]:
+        """Delete uncommitted leftovers and committed steps beyond ``keep_last``; returns them."""
+        writing = self._writing()
+        dirs = self._step_dirs()
+        committed = [s for s in sorted(dirs) if METADATA in self.store.child(dirs[s]).list()]
+        if writing is None:
+            keep = set(committed[-self.keep_last:])
+        else:  # the step being written counts as one of the kept (keep_last >= 2 with async)
+            keep = set(committed[-(self.keep_last - 1):]) | {writing}
+        if committed:
+            keep.add(committed[-1])  # the newest committed step, whatever else happens
+        removed = []
+        for step, name in sorted(dirs.items()):
+            if step in keep:
+                continue
+            try:
+                remove_checkpoint(self.store.child(name))
+                removed.append(step)
+            except OSError as exc:
+                log.warning("could not remove %s: %s", self.path(step), exc)
+        return removed
+
+    def load_latest(self, model: nn.Module, optimizer: Muon | None) -> int | None:
+        """Collective: load the newest committed step that loads cleanly; returns it, or None.
+
+        A step whose data turns out corrupted is skipped for the one before it (that load then
+        overwrites whatever the failed attempt had written).
+        """
+        self.wait()
+        for step in reversed(self.steps()):
+            try:
+                self.last_extra = api.load(model, optimizer, self.path(step), storage_options=self.storage_options)
+            except (CheckpointCorruptError, CheckpointIncompleteError) as exc:
+                log.warning("skipping %s: %s", self.path(step), exc)
+                continue
+            except CheckpointError:
+                raise
+            if _rank() == 0:
+                self.clean_up()
+            return step
+        return None
