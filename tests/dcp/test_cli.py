@@ -1,0 +1,93 @@
+"""dmuon-ckpt inspect / verify / export: exit codes and output on good and broken checkpoints."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import dmuon.dcp as ddcp
+from tests.helpers.launch import run_ranks
+from tests.helpers.training import build, train
+
+
+def save_worker(rank, world, path, storage_options=None):
+    model, opt = build()
+    train(model, opt, rank, world, range(1))
+    ddcp.save(model, opt, path, storage_options=storage_options)
+
+
+def cli(*args, console_script=False):
+    if console_script:
+        argv = [str(Path(sys.executable).parent / "dmuon-ckpt"), *args]
+    else:
+        argv = [sys.executable, "-m", "dmuon.dcp", *args]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def good(tmp_path_factory):
+    path = tmp_path_factory.mktemp("cli") / "ckpt"
+    run_ranks(save_worker, 2, str(path))
+    return path
+
+
+def test_inspect_text_and_json(good):
+    res = cli("inspect", str(good), console_script=True)
+    assert res.returncode == 0, res.stderr
+    assert "world size 2" in res.stdout and "model.layers.0.q_proj.weight" in res.stdout
+    assert "written by rank" in res.stdout
+    doc = json.loads(cli("inspect", str(good), "--json").stdout)
+    assert doc["world_size"] == 2 and doc["topology"] == {"replicate": 1, "shard": 2}
+    assert set(doc["bytes_per_rank"]) == {"0", "1"}
+    q = next(t for t in doc["tensors"] if t["key"] == "model.layers.0.q_proj.weight")
+    assert q["shape"] == [32, 32] and q["dtype"] == "float32" and q["owner"] is not None
+    assert doc["dmuon_version"] and doc["torch_version"].startswith(torch.__version__.split("+")[0])
+
+
+def test_verify_good_incomplete_and_corrupted(good, tmp_path):
+    res = cli("verify", str(good))
+    assert res.returncode == 0 and res.stdout.startswith("OK"), res.stderr
+    incomplete = tmp_path / "incomplete"
+    shutil.copytree(good, incomplete)
+    os.remove(incomplete / ".metadata")
+    res = cli("verify", str(incomplete))
+    assert res.returncode == 1 and "incomplete" in res.stderr
+    corrupted = tmp_path / "corrupted"
+    shutil.copytree(good, corrupted)
+    victim = sorted(f for f in os.listdir(corrupted) if f.endswith(".distcp"))[0]
+    raw = bytearray((corrupted / victim).read_bytes())
+    raw[-100] ^= 0xFF
+    (corrupted / victim).write_bytes(bytes(raw))
+    res = cli("verify", str(corrupted))
+    assert res.returncode == 1 and victim in res.stderr and "checksum mismatch" in res.stderr
+    truncated = tmp_path / "truncated"
+    shutil.copytree(good, truncated)
+    (truncated / victim).write_bytes(raw[: len(raw) // 2])
+    res = cli("verify", str(truncated))
+    assert res.returncode == 1 and victim in res.stderr
+
+
+def test_export_command(good, tmp_path):
+    res = cli("export", str(good), str(tmp_path / "out"), "--dtype", "bfloat16")
+    assert res.returncode == 0, res.stderr
+    from safetensors.torch import load_file
+
+    weights = load_file(tmp_path / "out" / "model.safetensors")
+    assert weights["layers.0.q_proj.weight"].dtype == torch.bfloat16
+    res = cli("export", str(good), str(tmp_path / "m.pt"), "--format", "torch")
+    assert res.returncode == 0 and "m.pt" in res.stdout
+    res = cli("export", str(tmp_path / "missing"), str(tmp_path / "o"))
+    assert res.returncode == 1 and "no checkpoint" in res.stderr
+
+
+def test_cli_on_s3_with_storage_options(s3_server):
+    url = s3_server.url()
+    run_ranks(save_worker, 2, url, s3_server.storage_options)
+    opts = [f"--storage-option={k}={v}" for k, v in s3_server.storage_options.items()]
+    assert cli("verify", url, *opts).returncode == 0
+    doc = json.loads(cli("inspect", url, "--json", *opts).stdout)
+    assert doc["checkpoint"] == url and doc["world_size"] == 2
