@@ -1,17 +1,23 @@
-"""The main job: train a small transformer with dmuon on 2 CPU ranks and report.
+"""The main job: train a small transformer with dmuon on 2 CPU ranks, checkpoint, crash, resume.
 
-    python -m dmuon.demo [--steps 40] [--world-size 2]
+    python -m dmuon.demo [--steps 40] [--save-every 10] [--crash-at 27]
+                         [--checkpoint-dir ./checkpoints | s3://bucket/prefix] [--storage-option k=v]
 
 Each rank runs the seed's recipe: ``dedicate_params`` for the attention / MLP projections,
 ``fully_shard`` for the rest, one ``dmuon.Muon`` optimizer. The data is a synthetic language
-(each token is a fixed function of the two before it) that a small model learns quickly, so the
-loss table visibly goes down.
+(each token is a fixed function of the two before it) that a small model learns quickly.
+
+Three runs: (1) a reference run straight through; (2) the same run with a CheckpointManager
+saving every few steps, killed by a simulated crash (one rank SIGKILLs itself); (3) fresh
+processes that resume from the newest committed checkpoint and finish. The resumed run must end
+bit-identical to the reference. The final checkpoint is then exported to safetensors.
 """
 from __future__ import annotations
 
 import argparse
 import os
 import socket
+import sys
 import time
 from datetime import timedelta
 
@@ -103,26 +109,62 @@ def train_steps(model, optimizer, start: int, stop: int, rank: int) -> list[tupl
     return rows
 
 
-def run(rank: int, world_size: int, port: int, args: argparse.Namespace) -> None:
+def _reference(rank: int, world_size: int, args, out_dir: str) -> None:
+    mesh = init_device_mesh("cpu", (world_size,))
+    model, optimizer, owners = build(mesh)
+    rows = train_steps(model, optimizer, 0, args.steps, rank)
+    state = dmuon.get_model_state_dict(model)
+    if rank == 0:
+        torch.save({"rows": rows, "state": state, "owners": owners}, os.path.join(out_dir, "reference.pt"))
+
+
+def _crashing(rank: int, world_size: int, args, out_dir: str) -> None:
+    import signal
+
+    import dmuon.dcp as ddcp
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    model, optimizer, _ = build(mesh)
+    manager = ddcp.CheckpointManager(args.run_dir, keep_last=2, storage_options=args.storage_options)
+    save_times = []
+    for step in range(args.steps):
+        if step == args.crash_at and rank == world_size - 1:
+            os.kill(os.getpid(), signal.SIGKILL)  # the simulated crash: no cleanup, no goodbye
+        train_steps(model, optimizer, step, step + 1, rank)
+        if (step + 1) % args.save_every == 0:
+            t0 = time.perf_counter()
+            manager.save(step + 1, model, optimizer, extra={"step": step + 1})
+            save_times.append(time.perf_counter() - t0)
+            if rank == 0:
+                torch.save(save_times, os.path.join(out_dir, "save_times.pt"))
+
+
+def _resumed(rank: int, world_size: int, args, out_dir: str) -> None:
+    import dmuon.dcp as ddcp
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    model, optimizer, _ = build(mesh)
+    manager = ddcp.CheckpointManager(args.run_dir, keep_last=2, storage_options=args.storage_options)
+    t0 = time.perf_counter()
+    start = manager.load_latest(model, optimizer)
+    load_secs = time.perf_counter() - t0
+    rows = train_steps(model, optimizer, start or 0, args.steps, rank)
+    manager.save(args.steps, model, optimizer, extra={"step": args.steps})
+    state = dmuon.get_model_state_dict(model)
+    if rank == 0:
+        torch.save({"rows": rows, "state": state, "start": start, "load_secs": load_secs},
+                   os.path.join(out_dir, "resumed.pt"))
+
+
+PHASES = {"reference": _reference, "crashing": _crashing, "resumed": _resumed}
+
+
+def run(rank: int, world_size: int, port: int, phase: str, args: argparse.Namespace, out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // world_size))
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=300))
     try:
-        mesh = init_device_mesh("cpu", (world_size,))
-        model, optimizer, owners = build(mesh)
-        rows = train_steps(model, optimizer, 0, args.steps, rank)
-        if rank == 0:
-            print(f"dmuon demo: {world_size} CPU ranks, {len(owners)} dedicated matrices (Muon), "
-                  f"the rest FSDP2 + AdamW")
-            for fqn, owner in list(owners.items())[:4]:
-                print(f"  owner of {fqn}: shard rank {owner[1]}")
-            print(f"\n{'step':>5} {'loss':>8} {'ms':>7}")
-            for step, loss, secs in rows:
-                if step % 5 == 0 or step == args.steps - 1:
-                    print(f"{step:>5} {loss:>8.4f} {secs * 1e3:>7.1f}")
-            first, last = rows[0][1], rows[-1][1]
-            verdict = "goes down" if last < first else "DID NOT go down"
-            print(f"\nloss {first:.3f} -> {last:.3f}: {verdict}")
+        PHASES[phase](rank, world_size, args, out_dir)
     finally:
         dist.destroy_process_group()
 
@@ -133,13 +175,87 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def main(argv: list[str] | None = None) -> None:
+def _spawn(phase: str, args, out_dir: str) -> None:
+    mp.spawn(run, args=(args.world_size, free_port(), phase, args, out_dir), nprocs=args.world_size, join=True)
+
+
+def _print_losses(rows, every: int = 5) -> None:
+    print(f"{'step':>6} {'loss':>8} {'ms/step':>8}")
+    for step, loss, secs in rows:
+        if step % every == 0 or step == rows[-1][0]:
+            print(f"{step:>6} {loss:>8.4f} {secs * 1e3:>8.1f}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    import tempfile
+
+    from .dcp.cli import describe, parse_storage_options
+    from .dcp.export import export
+    from .dcp.storage import open_checkpoint
+
     parser = argparse.ArgumentParser(prog="python -m dmuon.demo", description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--save-every", type=int, default=10)
+    parser.add_argument("--crash-at", type=int, default=27)
     parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--checkpoint-dir", default="./checkpoints")
+    parser.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE")
     args = parser.parse_args(argv)
-    mp.spawn(run, args=(args.world_size, free_port(), args), nprocs=args.world_size, join=True)
+    if not 0 < args.crash_at < args.steps or args.crash_at < args.save_every:
+        parser.error("--crash-at must fall after the first checkpoint and before the last step")
+    args.storage_options = parse_storage_options(args.storage_option)
+    base = args.checkpoint_dir.rstrip("/")
+    if "://" not in base:
+        base = os.path.abspath(base)
+    args.run_dir = f"{base}/run-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+
+    with tempfile.TemporaryDirectory(prefix="dmuon-demo-") as out_dir:
+        print(f"dmuon demo: {args.world_size} CPU ranks (gloo), {args.steps} steps; checkpoints in {args.run_dir}")
+        print("\n[1/3] reference run, straight through")
+        _spawn("reference", args, out_dir)
+        reference = torch.load(os.path.join(out_dir, "reference.pt"))
+        owners = reference["owners"]
+        print(f"  {len(owners)} dedicated matrices trained with Muon by their owners, the rest FSDP2 + AdamW")
+        for fqn, owner in list(owners.items())[:4]:
+            print(f"    {fqn:<28} owner: shard rank {owner[1]}")
+        _print_losses(reference["rows"])
+
+        print(f"\n[2/3] same run, checkpoint every {args.save_every} steps; rank {args.world_size - 1} "
+              f"crashes (SIGKILL) at step {args.crash_at}")
+        try:
+            _spawn("crashing", args, out_dir)
+            print("  (no crash happened?)")
+        except Exception as exc:  # noqa: BLE001 - the crash is the point
+            print(f"  crashed as planned: {type(exc).__name__}")
+        save_times = torch.load(os.path.join(out_dir, "save_times.pt"))
+
+        print("\n[3/3] fresh processes resume from the newest committed checkpoint")
+        _spawn("resumed", args, out_dir)
+        resumed = torch.load(os.path.join(out_dir, "resumed.pt"))
+        print(f"  resumed at step {resumed['start']}")
+        _print_losses(resumed["rows"])
+        same_losses = [r[1] for r in resumed["rows"]] == [r[1] for r in reference["rows"][resumed["start"]:]]
+        same_params = all(torch.equal(resumed["state"][k], reference["state"][k]) for k in reference["state"])
+
+    final = f"{args.run_dir}/step-{args.steps}"
+    t0 = time.perf_counter()
+    target = f"{args.run_dir}/export"
+    files = export(final, target, storage_options=args.storage_options)
+    export_secs = time.perf_counter() - t0
+    doc = describe(open_checkpoint(final, args.storage_options))
+    first, last = reference["rows"][0][1], reference["rows"][-1][1]
+    print("\nsummary")
+    print(f"  loss                      {first:.3f} -> {last:.3f} ({'down' if last < first else 'NOT down'})")
+    print(f"  resumed run == reference  losses {'identical' if same_losses else 'DIFFER'}, "
+          f"parameters {'bit-identical' if same_params else 'DIFFER'}")
+    print(f"  checkpoint bytes per rank {doc['bytes_per_rank']}  (+ .metadata and manifest)")
+    print(f"  save (median of {len(save_times)})    {sorted(save_times)[len(save_times) // 2]:.3f} s")
+    print(f"  load (resume)             {resumed['load_secs']:.3f} s")
+    print(f"  export to safetensors     {export_secs:.3f} s -> {', '.join(files)}")
+    ok = same_losses and same_params and last < first
+    print("\ndemo " + ("OK" if ok else "FAILED"))
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

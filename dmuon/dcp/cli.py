@@ -14,7 +14,7 @@ from .errors import CheckpointError
 _RANK_OF_FILE = re.compile(r"^__(\d+)_")
 
 
-def _storage_options(pairs: list[str]) -> dict | None:
+def parse_storage_options(pairs: list[str]) -> dict | None:
     options = {}
     for pair in pairs or []:
         key, sep, value = pair.partition("=")
@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
             cmd.add_argument("--dtype", default=None, help="cast floating tensors, e.g. bfloat16")
             cmd.add_argument("--max-shard-size", default="5GB")
     args = parser.parse_args(argv)
-    options = _storage_options(args.storage_option)
+    options = parse_storage_options(args.storage_option)
     from .storage import open_checkpoint
 
     try:
