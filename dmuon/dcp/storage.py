@@ -29,6 +29,7 @@ import logging
 import os
 import pickle
 import re
+import time
 import uuid
 import zlib
 from collections import defaultdict
@@ -71,6 +72,7 @@ _DATA_FILE = re.compile(r"^__\d+_[0-9A-Za-z]+\.distcp$")
 _MANIFEST_FILE = re.compile(r"^\.dmuon-manifest-[0-9a-f]+\.json$")
 _TMP_FILE = re.compile(r"^\.(metadata|dmuon-manifest-[0-9a-f]+\.json)\.tmp-[0-9a-f]+$")
 _FILE_STATS = "__dmuon_file_stats__"
+STALE_AFTER_S = 3600.0  # files of a failed save older than this are collected by the next commit
 
 
 # ---------------------------------------------------------------------------------------------
@@ -168,6 +170,9 @@ class LocalStore:
         with contextlib.suppress(FileNotFoundError):
             os.remove(self._path(name))
 
+    def modified(self, name: str) -> float:
+        return os.path.getmtime(self._path(name))
+
     def child(self, name: str) -> "LocalStore":
         return LocalStore(self._path(name), self.sync_files)
 
@@ -253,6 +258,9 @@ class FsspecStore:
         with contextlib.suppress(FileNotFoundError):
             self.fs.rm_file(self._path(name))
 
+    def modified(self, name: str) -> float:
+        return self.fs.modified(self._path(name)).timestamp()
+
     def child(self, name: str) -> "FsspecStore":
         child = object.__new__(FsspecStore)
         child.fs, child.root, child.url = self.fs, self._path(name), f"{self.url}/{checked_name(name)}"
@@ -309,25 +317,29 @@ def manifest_name(save_id: str) -> str:
 
 
 def encode_manifest(save_id: str, files: dict[str, dict], metadata_bytes: bytes) -> bytes:
+    """One line of JSON, then a line with the CRC32 of exactly those bytes.
+
+    Any change to any byte of the file (whitespace included) fails :func:`decode_manifest`.
+    """
     body = {
         "format": MANIFEST_FORMAT,
         "save_id": save_id,
         "metadata": {"size": len(metadata_bytes), "crc32": _crc(metadata_bytes)},
         "files": files,
     }
-    canonical = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
-    return json.dumps({"body": body, "crc32": _crc(canonical)}, sort_keys=True, indent=1).encode()
+    line = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+    return line + f"\ncrc32={_crc(line):08x}\n".encode()
 
 
 def decode_manifest(name: str, data: bytes) -> dict:
-    try:
-        outer = json.loads(data)
-        body = outer["body"]
-        canonical = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
-        ok = outer["crc32"] == _crc(canonical) and body.get("format") == MANIFEST_FORMAT
-    except (ValueError, KeyError, TypeError, UnicodeDecodeError):
-        ok = False
-    if not ok:
+    line = data.split(b"\n", 1)[0]
+    body = None
+    if data == line + f"\ncrc32={_crc(line):08x}\n".encode():
+        try:
+            body = json.loads(line)
+        except (ValueError, UnicodeDecodeError):
+            body = None
+    if not isinstance(body, dict) or body.get("format") != MANIFEST_FORMAT:
         raise CheckpointCorruptError(f"checksum manifest {name} is corrupted (checksum or format mismatch)")
     return body
 
@@ -450,9 +462,12 @@ class DMuonStorageWriter(StorageWriter):
             raise ValueError("DMuonStorageWriter needs a checkpoint_id")
         self.is_coordinator = is_coordinator
         self.rank = kwargs.get("rank", _current_rank())
+        self._replaced: set[str] = set()
         if is_coordinator:
             self.store.makedirs()
-            if not self.overwrite and METADATA in self.store.list():
+            files = self.store.list()
+            self._replaced = self._files_of_committed_saves(files)
+            if not self.overwrite and METADATA in files:
                 raise CheckpointExistsError(
                     f"{self.store.url} already holds a committed checkpoint; pass overwrite=True to "
                     "replace it (the old one stays readable until the new one commits)"
@@ -523,16 +538,42 @@ class DMuonStorageWriter(StorageWriter):
             ) from exc
         self._collect_garbage(keep=set(files) | {manifest_name(save_id), METADATA})
 
+    def _files_of_committed_saves(self, files: dict[str, int]) -> set[str]:
+        """Files that manifests present before this save list: what a commit here replaces."""
+        out: set[str] = set()
+        for name in files:
+            if _MANIFEST_FILE.match(name):
+                try:
+                    body = decode_manifest(name, self.store.read(name))
+                except (CheckpointCorruptError, OSError):
+                    continue
+                out.add(name)
+                out.update(body["files"])
+        return out
+
     def _collect_garbage(self, keep: set[str]) -> None:
-        """Delete files of earlier or failed saves at this path (only names dmuon/DCP writes)."""
+        """Delete what this commit replaced, and leftovers of saves that died over an hour ago.
+
+        Never a recent file of another save: a concurrent save to this path may still be
+        writing it, and deleting it would break that save's commit.
+        """
         for name in self.store.list():
             if name in keep:
                 continue
-            if _DATA_FILE.match(name) or _MANIFEST_FILE.match(name) or _TMP_FILE.match(name):
-                try:
-                    self.store.delete(name)
-                except OSError as exc:  # garbage left behind is harmless; say so and go on
-                    log.warning("could not remove stale checkpoint file %s: %s", name, exc)
+            if not (_DATA_FILE.match(name) or _MANIFEST_FILE.match(name) or _TMP_FILE.match(name)):
+                continue  # not ours: never touch a user's file
+            if name not in self._replaced and not self._older_than(name, STALE_AFTER_S):
+                continue
+            try:
+                self.store.delete(name)
+            except OSError as exc:  # garbage left behind is harmless; say so and go on
+                log.warning("could not remove stale checkpoint file %s: %s", name, exc)
+
+    def _older_than(self, name: str, seconds: float) -> bool:
+        try:
+            return time.time() - self.store.modified(name) > seconds
+        except (OSError, NotImplementedError, AttributeError):
+            return False
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=str(self.store.url) if self.store else None)
