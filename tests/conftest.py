@@ -38,3 +38,20 @@ def any_storage(request, tmp_path):
         return (lambda name="ckpt": str(tmp_path / name)), None
     server = request.getfixturevalue(f"{request.param}_server")
     return server.url, server.storage_options
+
+
+@pytest.fixture(scope="session")
+def reliability_report():
+    """Scenario counts from the fault-injection tests; written to reliability-report.json."""
+    import json
+
+    report: dict = {}
+    yield report
+    if report:
+        path = ROOT / ".pytest_cache" / "reliability-report.json"
+        path.parent.mkdir(exist_ok=True)
+        existing = json.loads(path.read_text()) if path.exists() else {}
+        existing.update(report)
+        path.write_text(json.dumps(existing, indent=1, sort_keys=True))
+        for name, counts in sorted(report.items()):
+            print(f"\nreliability {name}: {counts}")
