@@ -1,0 +1,135 @@
+"""Scenario 3: checkpoints crafted to attack the loader are refused; no code runs.
+
+The attacker here rewrites the checksum manifest to match, so integrity checks pass and the
+safety checks alone must hold.
+"""
+import io
+import os
+import pickle
+import shutil
+
+import pytest
+import torch
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+import dmuon.dcp as ddcp
+from dmuon.dcp.storage import decode_manifest, encode_manifest, open_checkpoint
+from tests.helpers.launch import run_ranks
+from tests.helpers.training import build, train
+
+
+def save_worker(rank, world, path):
+    model, opt = build()
+    train(model, opt, rank, world, range(1))
+    ddcp.save(model, opt, path, extra={"step": 1, "note": "hello"})
+
+
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory):
+    path = tmp_path_factory.mktemp("hostile") / "ckpt"
+    run_ranks(save_worker, 2, str(path))
+    return path
+
+
+def manifest_of(path):
+    name = next(f for f in os.listdir(path) if f.startswith(".dmuon-manifest-"))
+    return name, decode_manifest(name, (path / name).read_bytes())
+
+
+def rewrite(path, metadata_bytes, files=None):
+    """Install new .metadata bytes with a manifest that vouches for them."""
+    name, body = manifest_of(path)
+    (path / ".metadata").write_bytes(metadata_bytes)
+    (path / name).write_bytes(encode_manifest(body["save_id"], files or body["files"], metadata_bytes))
+
+
+class RunsCode:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def load_worker(rank, world, path):
+    model, opt = build()
+    try:
+        ddcp.load(model, opt, path)
+        return None
+    except ddcp.CheckpointError as exc:
+        return f"{type(exc).__name__}: {exc}"
+
+
+def copy(pristine, tmp_path, name):
+    target = tmp_path / name
+    shutil.copytree(pristine, target)
+    return target
+
+
+def test_metadata_pickle_that_would_run_code(pristine, tmp_path, reliability_report):
+    target = copy(pristine, tmp_path, "evil-metadata")
+    marker = tmp_path / "PWNED"
+    md = pickle.loads((pristine / ".metadata").read_bytes())
+    md.planner_data["__dmuon__"]["payload"] = RunsCode(marker)
+    rewrite(target, pickle.dumps(md))
+    with pytest.raises(ddcp.UnsafeCheckpointError, match="posix.system|os.system|refusing to unpickle"):
+        open_checkpoint(str(target))
+    errors = run_ranks(load_worker, 2, str(target))
+    assert all("UnsafeCheckpointError" in e for e in errors)
+    assert not marker.exists()
+    reliability_report.setdefault("hostile", {})["code_in_metadata"] = "refused, no code ran"
+
+
+@pytest.mark.parametrize("evil_path", ["../outside.distcp", "/etc/passwd", "sub/dir.distcp", ".."])
+def test_storage_paths_leaving_the_checkpoint(pristine, tmp_path, evil_path, reliability_report):
+    target = copy(pristine, tmp_path / "p", "evil-path")
+    (tmp_path / "p" / "outside.distcp").write_bytes(b"secret")
+    md = pickle.loads((pristine / ".metadata").read_bytes())
+    index, info = next(iter(md.storage_data.items()))
+    md.storage_data[index] = _StorageInfo(evil_path, info.offset, info.length)
+    rewrite(target, pickle.dumps(md))
+    with pytest.raises(ddcp.UnsafeCheckpointError, match="leaves the checkpoint directory"):
+        open_checkpoint(str(target))
+    assert all("leaves the checkpoint directory" in e for e in run_ranks(load_worker, 2, str(target)))
+    reliability_report.setdefault("hostile", {})[f"path {evil_path}"] = "refused"
+
+
+@pytest.mark.parametrize("offset,length", [(-1, 10), (0, 10**12), (10**15, 4), (5, -3)])
+def test_absurd_offsets_and_sizes(pristine, tmp_path, offset, length, reliability_report):
+    target = copy(pristine, tmp_path, "absurd")
+    md = pickle.loads((pristine / ".metadata").read_bytes())
+    index, info = next(iter(md.storage_data.items()))
+    md.storage_data[index] = _StorageInfo(info.relative_path, offset, length)
+    rewrite(target, pickle.dumps(md))
+    with pytest.raises(ddcp.CheckpointCorruptError, match="claims bytes"):
+        open_checkpoint(str(target))
+    reliability_report.setdefault("hostile", {})[f"offset {offset} length {length}"] = "refused"
+
+
+def test_non_tensor_entry_that_unpickles_arbitrary_objects(pristine, tmp_path, reliability_report):
+    """Replace the bytes of ``extra.note`` with a torch.save payload that would run code."""
+    target = copy(pristine, tmp_path, "evil-bytes")
+    marker = tmp_path / "PWNED-bytes"
+    md = pickle.loads((pristine / ".metadata").read_bytes())
+    index = next(i for i in md.storage_data if i.fqn == "extra.note")
+    info = md.storage_data[index]
+    payload = io.BytesIO()
+    torch.save({"x": RunsCode(marker)}, payload)
+    evil = payload.getvalue()
+    # append the payload to the data file and point the entry at it; vouch for it in the manifest
+    data_file = target / info.relative_path
+    start = data_file.stat().st_size
+    data_file.write_bytes(data_file.read_bytes() + evil)
+    md.storage_data[index] = _StorageInfo(info.relative_path, start, len(evil))
+    name, body = manifest_of(target)
+    import zlib
+
+    stats = body["files"][info.relative_path]
+    stats["size"] = start + len(evil)
+    stats["crc32"] = zlib.crc32(data_file.read_bytes()) & 0xFFFFFFFF
+    stats["items"][str(start)] = [len(evil), zlib.crc32(evil) & 0xFFFFFFFF]
+    rewrite(target, pickle.dumps(md), body["files"])
+    errors = run_ranks(load_worker, 2, str(target))
+    assert all(e and "weights_only" in e.lower() or "unpickl" in (e or "").lower() for e in errors), errors
+    assert not marker.exists()
+    reliability_report.setdefault("hostile", {})["code_in_non_tensor_entry"] = "refused, no code ran"
