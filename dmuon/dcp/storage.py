@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import io
 import json
 import logging
@@ -246,13 +247,31 @@ class FsspecStore:
     def put(self, name: str, data: bytes, *, exclusive: bool = False) -> None:
         """One PUT: object stores make it appear whole or not at all.
 
-        ``exclusive`` checks for an existing object first; two committers racing within that
-        window are not excluded (S3 conditional writes are not available everywhere).
+        ``exclusive`` uses a conditional create where the store has one (S3 ``If-None-Match``
+        through fsspec's ``"xb"`` mode), after an existence check, and reads the object back:
+        if another writer's bytes are there, this writer lost and FileExistsError is raised.
         """
         path = self._path(name)
-        if exclusive and self.fs.exists(path):
+        if not exclusive:
+            self.fs.pipe_file(path, data)
+            return
+        if self.fs.exists(path):
             raise FileExistsError(path)
-        self.fs.pipe_file(path, data)
+        try:
+            with self.fs.open(path, "xb") as f:
+                f.write(data)
+        except FileExistsError:
+            raise
+        except (NotImplementedError, ValueError):  # no exclusive mode here: plain PUT
+            self.fs.pipe_file(path, data)
+        except OSError as exc:
+            text = str(exc).lower()
+            if "pre-condition" in text or "precondition" in text or exc.errno == errno.EEXIST:
+                raise FileExistsError(path) from exc
+            raise
+        self.fs.invalidate_cache(self.root)
+        if self.fs.cat_file(path) != data:
+            raise FileExistsError(f"{path}: another writer committed at the same time")
 
     def delete(self, name: str) -> None:
         with contextlib.suppress(FileNotFoundError):

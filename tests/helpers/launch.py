@@ -16,7 +16,12 @@ from datetime import timedelta
 from pathlib import Path
 
 _CTX = mp.get_context("forkserver")
-_CTX.set_forkserver_preload(["torch", "torch.distributed", "dmuon"])
+# Everything a rank imports lazily costs that time again in every rank of every test (FSDP2
+# pulls in torch._dynamo: over a second): import it once, in the forkserver.
+_CTX.set_forkserver_preload([
+    "torch", "torch._dynamo", "torch.distributed", "torch.distributed.fsdp", "torch.distributed.tensor",
+    "torch.distributed.checkpoint", "dmuon", "dmuon.dcp", "fsspec", "safetensors.torch",
+])
 
 
 class RankFailed(RuntimeError):
@@ -51,8 +56,12 @@ def _rank_main(fn, rank, world_size, port, args, kwargs, out_dir, env):
     os._exit(code)
 
 
-def run_ranks(fn, world_size: int, *args, timeout: float = 90.0, env: dict | None = None, **kwargs):
-    """Call ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` ranks; return results by rank."""
+def run_ranks(fn, world_size: int, *args, timeout: float = 90.0, env: dict | None = None,
+              grace: float = 5.0, **kwargs):
+    """Call ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` ranks; return results by rank.
+
+    Once a rank fails, the others get ``grace`` seconds to report their own errors, then die.
+    """
     import torch
 
     with tempfile.TemporaryDirectory(prefix="dmuon-ranks-") as out_dir:
@@ -73,7 +82,7 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 90.0, env: dict | Non
             now = time.monotonic()
             if failed_at is None and any(p.exitcode not in (None, 0) for p in procs):
                 failed_at = now
-            if now > deadline or (failed_at is not None and now - failed_at > 5.0):
+            if now > deadline or (failed_at is not None and now - failed_at > grace):
                 break
             time.sleep(0.02)
         alive = [rank for rank, p in enumerate(procs) if p.is_alive()]
