@@ -116,7 +116,7 @@ def load(
     extra = _extra_template(listing.metadata)
     if extra:
         state["extra"] = extra
-    reader = DMuonStorageReader(checkpoint_id, storage_options=storage_options)
+    reader = DMuonStorageReader(checkpoint_id, storage_options=storage_options, listing=listing)
     planner = DMuonLoadPlanner(allow_partial_load=allow_partial_load)
     run_checkpoint_op(dcp.load, state, storage_reader=reader, planner=planner,
                       what=f"load from {checkpoint_id}")

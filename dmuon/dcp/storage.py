@@ -189,6 +189,10 @@ class LocalStore:
         shutil.rmtree(self.root, ignore_errors=True)
 
 
+READ_BLOCK = 32 * 2**20
+_OBJECT_STORES = {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "oss", "r2"}
+
+
 class FsspecStore:
     """Any fsspec filesystem. Objects appear whole on close; fsync would add nothing there."""
 
@@ -203,6 +207,11 @@ class FsspecStore:
         return f"{self.root}/{checked_name(name)}"
 
     def makedirs(self) -> None:
+        # Object stores have no directories to create, and asking costs a request that, with
+        # the endpoint down, adds a whole retry cycle before the error surfaces.
+        protocols = self.fs.protocol if isinstance(self.fs.protocol, (tuple, list)) else (self.fs.protocol,)
+        if set(protocols) & _OBJECT_STORES:
+            return
         with contextlib.suppress(FileExistsError):
             self.fs.makedirs(self.root, exist_ok=True)
 
@@ -239,7 +248,9 @@ class FsspecStore:
             raise
 
     def open_read(self, name: str) -> BinaryIO:
-        return self.fs.open(self._path(name), "rb")
+        # Items are read in file order: a large read-ahead turns them into a few big GETs
+        # instead of one request per item (gcsfs's default makes hundreds per file).
+        return self.fs.open(self._path(name), "rb", block_size=READ_BLOCK, cache_type="readahead")
 
     def read(self, name: str) -> bytes:
         return self.fs.cat_file(self._path(name))
@@ -247,31 +258,39 @@ class FsspecStore:
     def put(self, name: str, data: bytes, *, exclusive: bool = False) -> None:
         """One PUT: object stores make it appear whole or not at all.
 
-        ``exclusive`` uses a conditional create where the store has one (S3 ``If-None-Match``
-        through fsspec's ``"xb"`` mode), after an existence check, and reads the object back:
-        if another writer's bytes are there, this writer lost and FileExistsError is raised.
+        ``exclusive`` is a conditional create (S3 ``If-None-Match``, GCS ``ifGenerationMatch=0``
+        through fsspec's ``mode="create"``). A refusal is checked by reading the object back:
+        when a retried request finds its own earlier, acknowledged-but-unanswered write there,
+        the commit did happen; anything else there means another writer won.
         """
         path = self._path(name)
         if not exclusive:
             self.fs.pipe_file(path, data)
             return
-        if self.fs.exists(path):
-            raise FileExistsError(path)
         try:
-            with self.fs.open(path, "xb") as f:
-                f.write(data)
+            try:
+                self.fs.pipe_file(path, data, mode="create")
+            except (TypeError, NotImplementedError):  # no conditional create: check, then PUT
+                if self.fs.exists(path):
+                    raise FileExistsError(path) from None
+                self.fs.pipe_file(path, data)
         except FileExistsError:
-            raise
-        except (NotImplementedError, ValueError):  # no exclusive mode here: plain PUT
-            self.fs.pipe_file(path, data)
+            self._raise_unless_ours(path, data)
         except OSError as exc:
             text = str(exc).lower()
             if "pre-condition" in text or "precondition" in text or exc.errno == errno.EEXIST:
-                raise FileExistsError(path) from exc
-            raise
+                self._raise_unless_ours(path, data)
+            else:
+                raise
+
+    def _raise_unless_ours(self, path: str, data: bytes) -> None:
         self.fs.invalidate_cache(self.root)
-        if self.fs.cat_file(path) != data:
-            raise FileExistsError(f"{path}: another writer committed at the same time")
+        try:
+            if self.fs.cat_file(path) == data:
+                return
+        except FileNotFoundError:
+            pass
+        raise FileExistsError(f"{path}: another writer committed first")
 
     def delete(self, name: str) -> None:
         with contextlib.suppress(FileNotFoundError):
@@ -409,6 +428,34 @@ def load_metadata_bytes(data: bytes, where: str) -> Metadata:
 
 
 # ---------------------------------------------------------------------------------------------
+# retries
+# ---------------------------------------------------------------------------------------------
+# Errors that another attempt cannot fix: what the checkpoint says, what the caller asked for,
+# and programming errors. Everything else on an object store (a reset connection, a 5xx the
+# client gave up on, a body cut short and caught by its checksum) is worth a fresh attempt.
+_PERMANENT = (UnsafeCheckpointError, CheckpointExistsError, CheckpointIncompleteError, CheckpointNotFoundError,
+              FileExistsError, FileNotFoundError, PermissionError, TypeError, AttributeError, KeyError,
+              AssertionError, NotImplementedError)
+REMOTE_ATTEMPTS = 4
+
+
+def retrying(store: "Store", what: str, fn):
+    """Call ``fn``; on an object store, again after a transient failure (whole-file granularity)."""
+    attempts = REMOTE_ATTEMPTS if isinstance(store, FsspecStore) else 1
+    for attempt in range(attempts):
+        try:
+            return fn()
+        except _PERMANENT:
+            raise
+        except Exception as exc:  # noqa: BLE001 - classified above
+            if attempt + 1 == attempts:
+                raise
+            log.warning("%s/%s: %s failed (%s: %s); retrying", store.url, what, what, type(exc).__name__, exc)
+            time.sleep(0.5 * 2**attempt)
+    raise AssertionError("unreachable")
+
+
+# ---------------------------------------------------------------------------------------------
 # the writer
 # ---------------------------------------------------------------------------------------------
 class _ChecksummingStream:
@@ -508,29 +555,35 @@ class DMuonStorageWriter(StorageWriter):
         results: list[WriteResult] = []
         if plan.items:
             name = info["file"]
-            # bytes first (small), then tensors in plan order
-            items = sorted(plan.items, key=lambda item: item.type != WriteItemType.BYTE_IO)
-            items_crc: dict[str, list[int]] = {}
-            with self.store.open_write(name) as raw:
-                stream = _ChecksummingStream(raw)
-                for item in items:
-                    data = planner.resolve_data(item)
-                    offset = stream.tell()
-                    stream.item_crc = 0
-                    if item.type == WriteItemType.BYTE_IO:
-                        stream.write(data.getbuffer())
-                    else:
-                        torch.save(_cpu_compact(data), stream)
-                    length = stream.tell() - offset
-                    items_crc[str(offset)] = [length, stream.item_crc & 0xFFFFFFFF]
-                    results.append(WriteResult(index=item.index, size_in_bytes=length,
-                                               storage_data=_StorageInfo(name, offset, length)))
-            stats = {"size": stream.tell(), "crc32": stream.file_crc & 0xFFFFFFFF, "items": items_crc}
-            results.append(WriteResult(index=MetadataIndex(f"{_FILE_STATS}{name}"), size_in_bytes=0,
-                                       storage_data={"file": name, **stats}))
+            results = retrying(self.store, f"writing {name}", lambda: self._write_file(name, plan.items, planner))
         future: Future = Future()
         future.set_result(results)
         return future
+
+    def _write_file(self, name: str, items, planner: SavePlanner) -> list[WriteResult]:
+        """One rank's data file, start to end (so a failed attempt can simply be redone)."""
+        results = []
+        items_crc: dict[str, list[int]] = {}
+        # bytes first (small), then tensors in plan order
+        items = sorted(items, key=lambda item: item.type != WriteItemType.BYTE_IO)
+        with self.store.open_write(name) as raw:
+            stream = _ChecksummingStream(raw)
+            for item in items:
+                data = planner.resolve_data(item)
+                offset = stream.tell()
+                stream.item_crc = 0
+                if item.type == WriteItemType.BYTE_IO:
+                    stream.write(data.getbuffer())
+                else:
+                    torch.save(_cpu_compact(data), stream)
+                length = stream.tell() - offset
+                items_crc[str(offset)] = [length, stream.item_crc & 0xFFFFFFFF]
+                results.append(WriteResult(index=item.index, size_in_bytes=length,
+                                           storage_data=_StorageInfo(name, offset, length)))
+        stats = {"size": stream.tell(), "crc32": stream.file_crc & 0xFFFFFFFF, "items": items_crc}
+        results.append(WriteResult(index=MetadataIndex(f"{_FILE_STATS}{name}"), size_in_bytes=0,
+                                   storage_data={"file": name, **stats}))
+        return results
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         files: dict[str, dict] = {}
@@ -546,9 +599,11 @@ class DMuonStorageWriter(StorageWriter):
         metadata.storage_data = storage_data
         metadata.storage_meta = StorageMeta(checkpoint_id=str(self.store.url), save_id=save_id)
         metadata_bytes = pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)
-        self.store.put(manifest_name(save_id), encode_manifest(save_id, files, metadata_bytes))
+        manifest = encode_manifest(save_id, files, metadata_bytes)
+        retrying(self.store, "writing the manifest", lambda: self.store.put(manifest_name(save_id), manifest))
         try:
-            self.store.put(METADATA, metadata_bytes, exclusive=not self.overwrite)
+            retrying(self.store, "committing .metadata",
+                     lambda: self.store.put(METADATA, metadata_bytes, exclusive=not self.overwrite))
         except FileExistsError as exc:
             for name in list(files) + [manifest_name(save_id)]:
                 self.store.delete(name)
@@ -743,21 +798,23 @@ class DMuonStorageReader(StorageReader):
     """DCP storage reader for local paths and fsspec URLs; verifies as it reads."""
 
     def __init__(self, checkpoint_id: str | os.PathLike | None = None, *,
-                 storage_options: dict | None = None) -> None:
+                 storage_options: dict | None = None, listing: CheckpointListing | None = None) -> None:
+        """``listing``: an already opened and verified checkpoint, to skip reading it again."""
         super().__init__()
         self.storage_options = storage_options
-        self.listing: CheckpointListing | None = None
-        if checkpoint_id is not None:
-            self.reset(checkpoint_id)
-
-    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        self.listing = listing
         if checkpoint_id is not None:
             self.checkpoint_id = checkpoint_id
-        self.listing = None
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        if checkpoint_id is not None and checkpoint_id != getattr(self, "checkpoint_id", None):
+            self.checkpoint_id = checkpoint_id
+            self.listing = None
 
     def read_metadata(self) -> Metadata:
         # No **kwargs on purpose: torch then never falls back to per-rank metadata files.
-        self.listing = open_checkpoint(self.checkpoint_id, self.storage_options)
+        if self.listing is None:
+            self.listing = open_checkpoint(self.checkpoint_id, self.storage_options)
         return self.listing.metadata
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
@@ -779,9 +836,13 @@ class DMuonStorageReader(StorageReader):
         store = self.listing.store
         for name, by_index in per_file.items():
             ordered = sorted(by_index.items(), key=lambda kv: self.storage_data[kv[0]].offset)
-            with store.open_read(checked_name(name)) as stream:
-                for index, reqs in ordered:
-                    self._deliver(planner, reqs, self.listing.read_item(index, stream))
+
+            def read_file(name=name, ordered=ordered):  # redelivering an item is harmless
+                with store.open_read(checked_name(name)) as stream:
+                    for index, reqs in ordered:
+                        self._deliver(planner, reqs, self.listing.read_item(index, stream))
+
+            retrying(store, f"reading {name}", read_file)
         future: Future = Future()
         future.set_result(None)
         return future

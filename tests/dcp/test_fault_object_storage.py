@@ -1,0 +1,85 @@
+"""Scenario 4: a fault-injecting proxy in front of the local S3 and GCS servers.
+
+At 10% of requests: 503 SlowDown, 500, connection reset, truncated response body, or a delay.
+Saves and loads must all succeed with identical data (the clients retry; dmuon verifies every
+item it reads). With the endpoint down for good: a clear error within 60 s, nothing committed.
+"""
+import time
+
+import fsspec
+import pytest
+
+import dmuon
+import dmuon.dcp as ddcp
+from tests.helpers.fault_proxy import FaultProxy
+from tests.helpers.launch import RankFailed, run_ranks
+from tests.helpers.setup import max_abs_diff
+from tests.helpers.training import build, train
+
+TRIALS = 20
+
+
+def flaky_worker(rank, world, urls, options):
+    model, opt = build()
+    ok = identical = 0
+    failures = []
+    for trial, url in enumerate(urls):
+        train(model, opt, rank, world, range(trial, trial + 1))
+        expected = dmuon.get_model_state_dict(model, rank0_only=False)
+        try:
+            ddcp.save(model, opt, url, extra={"trial": trial}, storage_options=options)
+            fresh, fresh_opt = build()
+            extra = ddcp.load(fresh, fresh_opt, url, storage_options=options)
+            ok += 1
+            got = dmuon.get_model_state_dict(fresh, rank0_only=False)
+            identical += int(extra == {"trial": trial} and max_abs_diff(got, expected) == 0.0)
+        except ddcp.CheckpointError as exc:
+            failures.append(f"trial {trial}: {exc}"[:500])
+    return {"ok": ok, "identical": identical, "failures": failures}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["s3", "gcs"])
+def test_flaky_endpoint_saves_and_loads_20_of_20(request, backend, reliability_report):
+    server = request.getfixturevalue(f"{backend}_server")
+    proxy = FaultProxy(server.port, rate=0.10, seed=7, max_delay=0.3)
+    try:
+        options = dict(server.storage_options, endpoint_url=proxy.endpoint)
+        urls = [server.url() for _ in range(TRIALS)]
+        res = run_ranks(flaky_worker, 2, urls, options, timeout=600)[0]
+    finally:
+        proxy.stop()
+    faults = {k: v for k, v in proxy.counts.items() if k != "requests"}
+    reliability_report[f"flaky_{backend}"] = {"trials": TRIALS, "succeeded": res["ok"], "identical": res["identical"],
+                                              "requests": proxy.counts["requests"], "faults_injected": faults}
+    assert res["ok"] == TRIALS and res["identical"] == TRIALS, res["failures"]
+    assert sum(faults.values()) >= 0.05 * proxy.counts["requests"]  # faults really happened
+
+
+def down_worker(rank, world, url, options):
+    model, opt = build()
+    ddcp.save(model, opt, url, storage_options=options)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["s3", "gcs"])
+def test_endpoint_down_fails_clearly_and_commits_nothing(request, backend, reliability_report):
+    server = request.getfixturevalue(f"{backend}_server")
+    proxy = FaultProxy(server.port, rate=0.0)
+    proxy.down = True
+    url = server.url()
+    started = time.monotonic()
+    try:
+        with pytest.raises(RankFailed) as info:
+            run_ranks(down_worker, 2, url, dict(server.storage_options, endpoint_url=proxy.endpoint),
+                      timeout=120, grace=2.0)
+    finally:
+        proxy.stop()
+    elapsed = time.monotonic() - started
+    message = str(info.value)
+    fs, root = fsspec.core.url_to_fs(url, **server.storage_options)  # straight to the server
+    committed = fs.exists(f"{root}/.metadata")
+    reliability_report[f"endpoint_down_{backend}"] = {"seconds_to_error": round(elapsed, 1), "committed": committed}
+    assert f"save to {url} failed" in message
+    assert elapsed < 60, elapsed
+    assert not committed
