@@ -9,6 +9,7 @@ from .errors import (
     CheckpointIncompleteError,
     CheckpointMismatchError,
     CheckpointNotFoundError,
+    StorageError,
     UnsafeCheckpointError,
 )
 from .planner import DMuonLoadPlanner, DMuonSavePlanner
@@ -30,6 +31,7 @@ __all__ = [
     "DMuonStorageReader",
     "DMuonStorageWriter",
     "OwnedTensor",
+    "StorageError",
     "UnsafeCheckpointError",
     "async_save",
     "export",

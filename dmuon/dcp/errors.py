@@ -23,6 +23,10 @@ class CheckpointExistsError(CheckpointError, FileExistsError):
     """A committed checkpoint is already there and overwrite was not requested."""
 
 
+class StorageError(CheckpointError, OSError):
+    """The storage failed (after retries on object stores); says what was being done, where."""
+
+
 class UnsafeCheckpointError(CheckpointCorruptError):
     """The checkpoint asks for something a checkpoint must never do (code, paths outside it)."""
 

@@ -219,7 +219,26 @@ class DMuonLoadPlanner(LoadPlanner):
                         f"{fqn}: dtype {_describe_dtype(md.properties.dtype)} in the checkpoint, "
                         f"{_describe_dtype(dtype)} in the model"
                     )
+        sections = self._checked_sections()
+        for fqn in stored:
+            if fqn not in self.expected and fqn.startswith(sections):
+                problems[fqn] = f"{fqn}: in the checkpoint but not in the model/optimizer being loaded"
         return problems
+
+    def _checked_sections(self) -> tuple[str, ...]:
+        """Prefixes (``model.``, ``app.optim.``...) where the checkpoint must hold nothing extra.
+
+        A checkpoint with more layers than the model is a wrong model, not a partial load;
+        user ``extra`` entries and sections not being loaded at all are never checked.
+        """
+        sections = set()
+        for fqn in self.expected:
+            parts = fqn.split(".")
+            for i, part in enumerate(parts[:-1]):
+                if part in ("model", "optim"):
+                    sections.add(".".join(parts[: i + 1]) + ".")
+                    break
+        return tuple(sorted(sections))
 
     def create_local_plan(self) -> LoadPlan:
         if self.metadata is None:

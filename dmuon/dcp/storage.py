@@ -58,9 +58,11 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 
 from .errors import (  # noqa: E402
     CheckpointCorruptError,
+    CheckpointError,
     CheckpointExistsError,
     CheckpointIncompleteError,
     CheckpointNotFoundError,
+    StorageError,
     UnsafeCheckpointError,
 )
 
@@ -436,21 +438,32 @@ def load_metadata_bytes(data: bytes, where: str) -> Metadata:
 _PERMANENT = (UnsafeCheckpointError, CheckpointExistsError, CheckpointIncompleteError, CheckpointNotFoundError,
               FileExistsError, FileNotFoundError, PermissionError, TypeError, AttributeError, KeyError,
               AssertionError, NotImplementedError)
+# A write that hits "not found" lost its upload session (GCS resumable uploads): redo it.
+_PERMANENT_FOR_WRITES = tuple(e for e in _PERMANENT if e is not FileNotFoundError)
 REMOTE_ATTEMPTS = 4
+_NO_ROOM = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG}
 
 
-def retrying(store: "Store", what: str, fn):
-    """Call ``fn``; on an object store, again after a transient failure (whole-file granularity)."""
+def retrying(store: "Store", what: str, fn, *, writing: bool = False):
+    """Call ``fn``; on an object store, again after a transient failure (whole-file granularity).
+
+    The last failure is raised as a :class:`StorageError` that says what was being done where.
+    """
     attempts = REMOTE_ATTEMPTS if isinstance(store, FsspecStore) else 1
+    permanent = _PERMANENT_FOR_WRITES if writing else _PERMANENT
     for attempt in range(attempts):
         try:
             return fn()
-        except _PERMANENT:
+        except permanent:
             raise
         except Exception as exc:  # noqa: BLE001 - classified above
-            if attempt + 1 == attempts:
-                raise
-            log.warning("%s/%s: %s failed (%s: %s); retrying", store.url, what, what, type(exc).__name__, exc)
+            out_of_space = isinstance(exc, OSError) and exc.errno in _NO_ROOM
+            if attempt + 1 == attempts or out_of_space:
+                if isinstance(exc, CheckpointError):
+                    raise
+                tries = f" after {attempts} attempts" if attempts > 1 else ""
+                raise StorageError(f"{store.url}: {what} failed{tries}: {type(exc).__name__}: {exc}") from exc
+            log.warning("%s: %s failed (%s: %s); retrying", store.url, what, type(exc).__name__, exc)
             time.sleep(0.5 * 2**attempt)
     raise AssertionError("unreachable")
 
@@ -555,7 +568,8 @@ class DMuonStorageWriter(StorageWriter):
         results: list[WriteResult] = []
         if plan.items:
             name = info["file"]
-            results = retrying(self.store, f"writing {name}", lambda: self._write_file(name, plan.items, planner))
+            results = retrying(self.store, f"writing {name}", lambda: self._write_file(name, plan.items, planner),
+                               writing=True)
         future: Future = Future()
         future.set_result(results)
         return future
@@ -600,10 +614,11 @@ class DMuonStorageWriter(StorageWriter):
         metadata.storage_meta = StorageMeta(checkpoint_id=str(self.store.url), save_id=save_id)
         metadata_bytes = pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)
         manifest = encode_manifest(save_id, files, metadata_bytes)
-        retrying(self.store, "writing the manifest", lambda: self.store.put(manifest_name(save_id), manifest))
+        retrying(self.store, "writing the manifest", lambda: self.store.put(manifest_name(save_id), manifest),
+                 writing=True)
         try:
             retrying(self.store, "committing .metadata",
-                     lambda: self.store.put(METADATA, metadata_bytes, exclusive=not self.overwrite))
+                     lambda: self.store.put(METADATA, metadata_bytes, exclusive=not self.overwrite), writing=True)
         except FileExistsError as exc:
             for name in list(files) + [manifest_name(save_id)]:
                 self.store.delete(name)
