@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 from ..optim.muon import Muon
 from .errors import CheckpointError
 from .planner import DMuonLoadPlanner, DMuonSavePlanner
-from .state import AppState, OwnedTensor
+from .state import AppState, OwnedTensor, StagedShard, global_offsets
 from .storage import DMuonStorageReader, DMuonStorageWriter, open_checkpoint
 
 log = logging.getLogger(__name__)
@@ -141,29 +141,44 @@ def checkpoint_process_group() -> dist.ProcessGroup | None:
     return _CHECKPOINT_GROUP
 
 
-def _stage(value: Any) -> Any:
+_STAGING: dict[tuple, torch.Tensor] = {}
+
+
+def release_staging_buffers() -> None:
+    """Free the CPU copies async_save keeps between saves (they are re-created on demand)."""
+    _STAGING.clear()
+
+
+def _staged_copy(path: tuple, tensor: torch.Tensor) -> torch.Tensor:
+    """Copy into this rank's staging buffer for ``path``, allocated once and reused.
+
+    Reuse is safe because an async save only starts after the previous one has finished, and
+    it saves the page faults of fresh allocations (most of the blocking time on CPU).
+    """
+    tensor = tensor.detach()
+    buf = _STAGING.get(path)
+    if buf is None or buf.shape != tensor.shape or buf.dtype != tensor.dtype:
+        pin = tensor.device.type == "cuda"
+        buf = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pin)
+        _STAGING[path] = buf
+    buf.copy_(tensor, non_blocking=tensor.device.type != "cpu")
+    return buf
+
+
+def _stage(value: Any, path: tuple = ()) -> Any:
     """A private CPU copy of everything a rank will write; training may change the originals."""
     if isinstance(value, dict):
-        return {k: _stage(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_stage(v) for v in value]
-    if isinstance(value, tuple):
-        return tuple(_stage(v) for v in value)
+        return {k: _stage(v, path + (k,)) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_stage(v, path + (i,)) for i, v in enumerate(value))
     if isinstance(value, OwnedTensor):
-        local = _stage(value.local) if value.local is not None else None
+        local = _staged_copy(path, value.local) if value.local is not None else None
         return OwnedTensor(value.shape, value.dtype, value.writer, local, value.owner, value.topology,
                            value.aliases)
     if isinstance(value, DTensor):
-        local = _stage(value.to_local())
-        return DTensor.from_local(local, value.device_mesh, value.placements, run_check=False,
-                                  shape=value.shape, stride=value.stride())
+        return StagedShard(_staged_copy(path, value.to_local()), value.shape, global_offsets(value))
     if isinstance(value, torch.Tensor):
-        tensor = value.detach()
-        if tensor.device.type == "cpu":
-            return tensor.clone()
-        staged = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-        staged.copy_(tensor, non_blocking=True)
-        return staged
+        return _staged_copy(path, value)
     import copy
 
     return copy.deepcopy(value)

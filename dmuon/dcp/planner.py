@@ -23,13 +23,21 @@ from torch.distributed.checkpoint.default_planner import (
     create_default_local_load_plan,
     create_default_local_save_plan,
 )
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
 from torch.distributed.checkpoint.planner import (
     LoadPlan,
     LoadPlanner,
     ReadItem,
     SavePlan,
     SavePlanner,
+    TensorWriteData,
     WriteItem,
     WriteItemType,
 )
@@ -39,7 +47,7 @@ from torch.distributed._shard._utils import narrow_tensor_by_index
 
 from .. import __version__
 from .errors import CheckpointMismatchError
-from .state import OwnedTensor, current_rank, owned_from_placeholder, placeholder_owner
+from .state import OwnedTensor, StagedShard, current_rank, owned_from_placeholder, placeholder_owner
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +67,19 @@ def _split_owned(flat: dict[str, Any]) -> tuple[dict[str, Any], dict[str, OwnedT
         else:
             regular[fqn] = value
     return regular, owned
+
+
+def _staged_write_item(fqn: str, shard: StagedShard) -> WriteItem:
+    """The write item DCP would make for the DTensor shard this staged copy came from."""
+    return WriteItem(
+        index=MetadataIndex(fqn, torch.Size(shard.offsets)),
+        type=WriteItemType.SHARD,
+        tensor_data=TensorWriteData(
+            chunk=ChunkStorageMetadata(offsets=torch.Size(shard.offsets), sizes=shard.local.size()),
+            properties=TensorProperties.create_from_tensor(shard.local),
+            size=torch.Size(shard.global_shape),
+        ),
+    )
 
 
 def _chunk_key(item: WriteItem) -> tuple:
@@ -87,9 +108,11 @@ class DMuonSavePlanner(SavePlanner):
                     f"shape {tuple(entry.shape)}"
                 )
             mine[fqn] = entry.local
-        plan = create_default_local_save_plan(self.state_dict, self.is_coordinator)
+        regular = {k: v for k, v in self.state_dict.items() if not isinstance(v, StagedShard)}
+        plan = create_default_local_save_plan(regular, self.is_coordinator)
         owned_plan = create_default_local_save_plan(mine, self.is_coordinator)
-        plan = dataclasses.replace(plan, items=plan.items + owned_plan.items, planner_data=self.mappings)
+        staged = [_staged_write_item(fqn, v) for fqn, v in self.state_dict.items() if isinstance(v, StagedShard)]
+        plan = dataclasses.replace(plan, items=plan.items + owned_plan.items + staged, planner_data=self.mappings)
         self.plan = plan
         return plan
 
@@ -159,6 +182,9 @@ class DMuonSavePlanner(SavePlanner):
         fqn = write_item.index.fqn
         if fqn in self.owned:
             return self.owned[fqn].local.detach()
+        obj = self.state_dict.get(fqn)
+        if isinstance(obj, StagedShard):
+            return obj.local
         obj = find_state_dict_object(self.state_dict, write_item.index)
         if write_item.type == WriteItemType.BYTE_IO:
             buffer = io.BytesIO()

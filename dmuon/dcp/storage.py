@@ -27,11 +27,16 @@ import errno
 import io
 import json
 import logging
+import math
 import os
 import pickle
 import re
+import struct
+import sys
 import time
+import warnings
 import uuid
+import zipfile
 import zlib
 from collections import defaultdict
 from collections.abc import Iterator
@@ -45,7 +50,12 @@ import torch  # noqa: E402
 from torch.futures import Future  # noqa: E402
 from torch.distributed._shard._utils import narrow_tensor_by_index  # noqa: E402
 from torch.distributed.checkpoint.filesystem import _StorageInfo  # noqa: E402
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta  # noqa: E402
+from torch.distributed.checkpoint.metadata import (  # noqa: E402
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorStorageMetadata,
+)
 from torch.distributed.checkpoint.planner import (  # noqa: E402
     LoadItemType,
     LoadPlan,
@@ -675,6 +685,33 @@ class DMuonStorageWriter(StorageWriter):
 # ---------------------------------------------------------------------------------------------
 # the reader
 # ---------------------------------------------------------------------------------------------
+def _single_record_offset(data: bytes, nbytes: int) -> int | None:
+    """Offset of the tensor bytes inside a ``torch.save`` payload holding exactly one storage
+    of ``nbytes`` little-endian bytes, stored uncompressed; None for anything else."""
+    if sys.byteorder != "little":
+        return None
+    try:
+        with zipfile.ZipFile(io.BytesIO(data)) as archive:
+            infos = archive.infolist()
+            records = [i for i in infos if "/data/" in i.filename and not i.filename.endswith("/")]
+            byteorder = [i for i in infos if i.filename.endswith("/byteorder")]
+            if len(records) != 1 or records[0].compress_type != zipfile.ZIP_STORED:
+                return None
+            if byteorder and archive.read(byteorder[0]) != b"little":
+                return None
+            info = records[0]
+    except (zipfile.BadZipFile, ValueError, KeyError):
+        return None
+    if info.file_size != nbytes:
+        return None
+    header = info.header_offset
+    if header + 30 > len(data) or data[header:header + 4] != b"PK\x03\x04":
+        return None
+    name_len, extra_len = struct.unpack_from("<HH", data, header + 26)
+    start = header + 30 + name_len + extra_len
+    return start if start + nbytes <= len(data) else None
+
+
 @dataclasses.dataclass
 class CheckpointListing:
     """A committed checkpoint: its files, verified metadata and manifest; reads verified items."""
@@ -713,8 +750,34 @@ class CheckpointListing:
         return data
 
     def read_tensor(self, index: MetadataIndex, stream: BinaryIO | None = None) -> torch.Tensor:
+        """One stored chunk as a tensor: a view over the verified bytes where the payload is
+        the plain one-storage ``torch.save`` record dmuon writes, else ``torch.load``."""
         data = self.read_item(index, stream)
+        view = self._view_of_record(index, data)
+        if view is not None:
+            return view
         return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+
+    def _view_of_record(self, index: MetadataIndex, data: bytes) -> torch.Tensor | None:
+        md = self.metadata.state_dict_metadata.get(index.fqn)
+        if not isinstance(md, TensorStorageMetadata):
+            return None
+        offsets = tuple(index.offset or ())
+        chunk = next((c for c in md.chunks if tuple(c.offsets) == offsets), None)
+        if chunk is None:
+            return None
+        dtype = md.properties.dtype
+        numel = math.prod(chunk.sizes)
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        start = _single_record_offset(data, nbytes)
+        if start is None:
+            return None
+        if numel == 0:
+            return torch.empty(tuple(chunk.sizes), dtype=dtype)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # read-only bytes: the view is only ever copied from
+            flat = torch.frombuffer(data, dtype=dtype, count=numel, offset=start)
+        return flat.view(tuple(chunk.sizes))
 
     def planner_info(self) -> dict:
         return (self.metadata.planner_data or {}).get("__dmuon__", {})
@@ -855,20 +918,20 @@ class DMuonStorageReader(StorageReader):
             def read_file(name=name, ordered=ordered):  # redelivering an item is harmless
                 with store.open_read(checked_name(name)) as stream:
                     for index, reqs in ordered:
-                        self._deliver(planner, reqs, self.listing.read_item(index, stream))
+                        self._deliver(planner, reqs, index, stream)
 
             retrying(store, f"reading {name}", read_file)
         future: Future = Future()
         future.set_result(None)
         return future
 
-    @staticmethod
-    def _deliver(planner: LoadPlanner, reqs: list, data: bytes) -> None:
+    def _deliver(self, planner: LoadPlanner, reqs: list, index: MetadataIndex, stream: BinaryIO) -> None:
         if reqs[0].type == LoadItemType.BYTE_IO:
+            data = self.listing.read_item(index, stream)
             for req in reqs:
                 planner.load_bytes(req, io.BytesIO(data))
             return
-        saved = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        saved = self.listing.read_tensor(index, stream)
         for req in reqs:
             piece = narrow_tensor_by_index(saved, req.storage_offsets, req.lengths)
             target = planner.resolve_tensor(req).detach()
