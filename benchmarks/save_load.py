@@ -2,7 +2,8 @@
 
     python benchmarks/save_load.py [--mib 512] [--repeats 3] [--worlds 2 4] [--root DIR]
 
-For each world size, on the same model (square fp32 matrices; every other one dedicated):
+For each world size, on the same model (square fp32 matrices; every other one dedicated),
+model weights only (optimizer state is more tensors of the same kinds):
   raw        each rank writes (reads) exactly its share with plain write + fsync: the limit
   dmuon      dmuon.dcp.save / dmuon.dcp.load
   torch-dcp  torch's dcp.save / dcp.load (FileSystemWriter/Reader) on an all-FSDP2 model
@@ -36,11 +37,11 @@ def _model(n_matrices: int):
 
 
 def _build(n_matrices: int, dedicated: bool):
-    import dmuon
+    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    import torch.distributed as dist
+    import dmuon
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     model = _model(n_matrices)
@@ -98,7 +99,7 @@ def worker(rank, world, n_matrices, root, repeats):
         d = os.path.join(root, f"w{world}-r{rep}")
         # dmuon save (and its share sizes, which define the raw baseline)
         with PeakRSS() as peak:
-            secs, _ = _timed(lambda: ddcp.save(model, opt, f"{d}/dmuon"))
+            secs, _ = _timed(lambda: ddcp.save(model, None, f"{d}/dmuon"))
         rss = peak.growth if rss is None else max(rss, peak.growth)
         res["dmuon_save"].append(secs)
         share = sum(os.path.getsize(f"{d}/dmuon/{f}") for f in os.listdir(f"{d}/dmuon")
@@ -119,7 +120,7 @@ def worker(rank, world, n_matrices, root, repeats):
                     os.fsync(f.fileno())
         secs, _ = _timed(flat_save)
         res["flat_save"].append(secs)
-        secs, _ = _timed(lambda: ddcp.load(model, opt, f"{d}/dmuon"))
+        secs, _ = _timed(lambda: ddcp.load(model, None, f"{d}/dmuon"))
         res["dmuon_load"].append(secs)
         state = plain_model.state_dict()
         secs, _ = _timed(lambda: dcp.load(state, storage_reader=dcp.FileSystemReader(f"{d}/torch")))
@@ -127,7 +128,7 @@ def worker(rank, world, n_matrices, root, repeats):
         secs, _ = _timed(lambda: dmuon.set_model_state_dict(model, torch.load(f"{d}/flat.pt", mmap=True)))
         res["flat_load"].append(secs)
         t0 = time.perf_counter()
-        handle = ddcp.async_save(model, opt, f"{d}/async")
+        handle = ddcp.async_save(model, None, f"{d}/async")
         res["async_block"].append(time.perf_counter() - t0)
         handle.wait()
         dist.barrier()
@@ -141,7 +142,7 @@ def reshard_worker(rank, world, n_matrices, path):
     import dmuon.dcp as ddcp
 
     model, opt = _build(n_matrices, dedicated=True)
-    secs, _ = _timed(lambda: ddcp.load(model, opt, path))
+    secs, _ = _timed(lambda: ddcp.load(model, None, path))
     return secs
 
 

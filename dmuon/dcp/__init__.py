@@ -1,7 +1,5 @@
 """dmuon's DCP backend: owner-written sharded checkpoints on local disk, S3 and GCS."""
 from .api import AsyncSaveHandle, async_save, load, save
-from .export import export
-from .manager import CheckpointManager
 from .errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -12,6 +10,8 @@ from .errors import (
     StorageError,
     UnsafeCheckpointError,
 )
+from .export import export
+from .manager import CheckpointManager
 from .planner import DMuonLoadPlanner, DMuonSavePlanner
 from .state import AppState, OwnedTensor
 from .storage import DMuonStorageReader, DMuonStorageWriter

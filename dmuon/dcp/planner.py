@@ -16,6 +16,8 @@ from collections import ChainMap, defaultdict
 from typing import Any
 
 import torch
+from torch.distributed._shard._utils import narrow_tensor_by_index
+from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import (
@@ -41,9 +43,7 @@ from torch.distributed.checkpoint.planner import (
     WriteItem,
     WriteItemType,
 )
-from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans
 from torch.distributed.checkpoint.utils import find_state_dict_object
-from torch.distributed._shard._utils import narrow_tensor_by_index
 
 from .. import __version__
 from .errors import CheckpointMismatchError

@@ -34,8 +34,8 @@ import re
 import struct
 import sys
 import time
-import warnings
 import uuid
+import warnings
 import zipfile
 import zlib
 from collections import defaultdict
@@ -47,7 +47,6 @@ from typing import Any, BinaryIO
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 
 import torch  # noqa: E402
-from torch.futures import Future  # noqa: E402
 from torch.distributed._shard._utils import narrow_tensor_by_index  # noqa: E402
 from torch.distributed.checkpoint.filesystem import _StorageInfo  # noqa: E402
 from torch.distributed.checkpoint.metadata import (  # noqa: E402
@@ -65,6 +64,7 @@ from torch.distributed.checkpoint.planner import (  # noqa: E402
     WriteItemType,
 )
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult  # noqa: E402
+from torch.futures import Future  # noqa: E402
 
 from .errors import (  # noqa: E402
     CheckpointCorruptError,

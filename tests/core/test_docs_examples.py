@@ -3,7 +3,6 @@ import os
 import re
 from pathlib import Path
 
-import pytest
 import torch
 
 from tests.helpers.launch import run_ranks
@@ -21,8 +20,8 @@ def flat_examples_worker(rank, world, workdir, phase):
     from safetensors.torch import save_file
 
     import dmuon
-    from tests.helpers.training import build, train
     from tests.helpers.models import TinyTransformer
+    from tests.helpers.training import build, train
 
     os.chdir(workdir)
     model, optimizer = build()

@@ -6,7 +6,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import dmuon
-from tests.helpers.launch import RankFailed, run_ranks
+from tests.helpers.launch import run_ranks
 from tests.helpers.memory import PeakRSS, return_freed_memory_to_os
 from tests.helpers.models import OddShapes, TinyTransformer
 from tests.helpers.setup import make_mesh, max_abs_diff, shard_model

@@ -1,5 +1,4 @@
 """Scenario 6: two jobs save to the same path at once: one wins, the other fails cleanly."""
-import os
 import threading
 
 import fsspec

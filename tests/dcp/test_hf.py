@@ -17,9 +17,9 @@ def tiny_config():
 
 
 def llama_on_ranks(seed=0):
+    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    import torch.distributed as dist
 
     torch.manual_seed(seed)
     model = transformers.LlamaForCausalLM(tiny_config())

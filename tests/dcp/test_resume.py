@@ -1,6 +1,5 @@
 """Bit-exact resume through DCP: torch's dcp.save/load with dmuon planners, and dmuon.dcp."""
 import pytest
-import torch
 import torch.distributed.checkpoint as dcp
 
 import dmuon

@@ -1,12 +1,10 @@
 """A DCP checkpoint loads on any topology, and plain torch reads its model part."""
 import pytest
 import torch
-import torch.distributed.checkpoint as dcp
 
 import dmuon
 import dmuon.dcp as ddcp
 from tests.helpers.launch import run_ranks
-from tests.helpers.models import TinyTransformer
 from tests.helpers.setup import max_abs_diff
 from tests.helpers.training import build, train
 
