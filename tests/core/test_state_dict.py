@@ -8,9 +8,9 @@ from safetensors.torch import load_file, save_file
 import dmuon
 from tests.helpers.launch import run_ranks
 from tests.helpers.memory import PeakRSS, return_freed_memory_to_os
-from tests.helpers.models import OddShapes, TinyTransformer
+from tests.helpers.models import OddShapes, TinyTransformer, Wide
 from tests.helpers.setup import make_mesh, max_abs_diff, shard_model
-from tests.helpers.training import build, local_batch, train
+from tests.helpers.training import build, check_bit_exact_resume, local_batch, train
 
 STEPS = 6
 
@@ -41,7 +41,7 @@ def resume_worker(rank, world, replicate, phase, path):
         losses = train(model, opt, rank, world, range(STEPS // 2))
         pending = sum(rec._replicate_work is not None for rec in model._dmuon_registry)
         save_flat(model, opt, path, STEPS // 2)  # right after step(): HSDP broadcasts pending
-        return {"losses": losses, "pending_at_save": pending}
+        return {"losses": losses, "pending": pending}
     else:
         start = load_flat(model, opt, path)
         losses = train(model, opt, rank, world, range(start, STEPS))
@@ -51,18 +51,7 @@ def resume_worker(rank, world, replicate, phase, path):
 
 @pytest.mark.parametrize("world,replicate", [(2, 1), (4, 1), (4, 2)], ids=["2ranks", "4ranks", "hsdp2x2"])
 def test_bit_exact_resume(tmp_path, world, replicate):
-    path = tmp_path / "checkpoint.pt"
-    full = run_ranks(resume_worker, world, replicate, "uninterrupted", path)
-    first = run_ranks(resume_worker, world, replicate, "first_half", path)
-    second = run_ranks(resume_worker, world, replicate, "second_half", path)
-    if replicate > 1:
-        assert any(r["pending_at_save"] for r in first), "the HSDP case must save with broadcasts pending"
-    for rank in range(world):
-        assert first[rank]["losses"] + second[rank]["losses"] == full[rank]["losses"]
-    assert max_abs_diff(second[0]["model"], full[0]["model"]) == 0.0
-    for section in ("fsdp2", "dedicated"):
-        for fqn, entry in full[0]["optim"][section].items():
-            assert max_abs_diff(second[0]["optim"][section][fqn], entry) == 0.0, fqn
+    second = check_bit_exact_resume(resume_worker, world, replicate, tmp_path / "checkpoint.pt")
     assert all(r["model"] == {} and r["optim"] == {} for r in second[1:])  # rank0_only default
 
 
@@ -212,19 +201,6 @@ def test_bad_input_names_every_problem_and_changes_nothing():
         assert res["unchanged"] == 0.0
         assert "layers.0.v_proj.weight" in res["opt_message"]
         assert "embed.weight.exp_avg" in res["opt_message"]
-
-
-class Wide(torch.nn.Module):
-    """16 x (512 x 512) fp32 = 16 MiB of matrices; 8 dedicated, 8 FSDP2."""
-
-    def __init__(self):
-        super().__init__()
-        self.blocks = torch.nn.ModuleList(torch.nn.Linear(512, 512, bias=False) for _ in range(16))
-
-    def forward(self, x):
-        for block in self.blocks:
-            x = block(x)
-        return x
 
 
 def memory_worker(rank, world):

@@ -77,7 +77,7 @@ def test_pretrained_safetensors_load_into_dmuon(tmp_path, world):
 def bytes_read_worker(rank, world, path):
     import psutil
 
-    from tests.dcp.test_sharded_writes import Wide
+    from tests.helpers.models import Wide
     from tests.helpers.setup import make_mesh, shard_model
 
     torch.manual_seed(1)
@@ -92,7 +92,7 @@ def bytes_read_worker(rank, world, path):
 def test_each_rank_reads_only_its_bytes(tmp_path):
     from safetensors.torch import save_file
 
-    from tests.dcp.test_sharded_writes import Wide
+    from tests.helpers.models import Wide
 
     torch.manual_seed(3)
     weights = Wide().state_dict()

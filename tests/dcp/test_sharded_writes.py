@@ -6,20 +6,8 @@ import torch
 import dmuon.dcp as ddcp
 from tests.helpers.launch import run_ranks
 from tests.helpers.memory import PeakRSS, return_freed_memory_to_os
+from tests.helpers.models import Wide
 from tests.helpers.setup import make_mesh, shard_model
-
-
-class Wide(torch.nn.Module):
-    """16 x (512 x 512) fp32 matrices = 16 MiB; the even ones dedicated, the odd ones FSDP2."""
-
-    def __init__(self):
-        super().__init__()
-        self.blocks = torch.nn.ModuleList(torch.nn.Linear(512, 512, bias=False) for _ in range(16))
-
-    def forward(self, x):
-        for block in self.blocks:
-            x = block(x)
-        return x
 
 
 def save_worker(rank, world, path):
