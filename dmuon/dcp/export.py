@@ -25,7 +25,8 @@ import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 
 from .hf import SAFETENSORS_DTYPES
-from .storage import CheckpointListing, is_remote, open_checkpoint
+from .storage import CheckpointListing, open_checkpoint
+from .stores import is_remote
 
 MODEL_PREFIX = "model."
 

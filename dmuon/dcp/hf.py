@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from ..state_dict import StateDictError, check_fits, write_full_state
-from .storage import METADATA, checked_name, open_store
+from .stores import METADATA, checked_name, open_store
 
 SAFETENSORS_DTYPES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",

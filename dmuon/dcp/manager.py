@@ -11,7 +11,7 @@ from torch import nn
 from ..optim.muon import Muon
 from . import api
 from .errors import CheckpointCorruptError, CheckpointError, CheckpointIncompleteError
-from .storage import METADATA, open_store, remove_checkpoint
+from .stores import METADATA, open_store, remove_checkpoint
 
 log = logging.getLogger(__name__)
 _STEP_DIR = re.compile(r"^step-(\d+)$")

@@ -1,8 +1,7 @@
-"""Where checkpoint bytes go: URL -> store, DCP writer/reader, checksums, commit, safe metadata.
+"""DCP storage writer and reader over any store: checksums, the commit protocol, safe reading.
 
-One writer and one reader for every backend. A *store* hides the difference between a local
-directory (fsync, atomic rename, exclusive link) and an fsspec filesystem (``s3://``, ``gs://``,
-``memory://``...: one PUT per object, no fsync). This module knows nothing of models.
+One writer and one reader for every backend (stores in ``stores.py``, manifest and safe
+metadata decoding in ``integrity.py``). This module knows nothing of models.
 
 Commit protocol of a save with id ``S``:
 
@@ -23,9 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import errno
 import io
-import json
 import logging
 import math
 import os
@@ -39,23 +36,18 @@ import warnings
 import zipfile
 import zlib
 from collections import defaultdict
-from collections.abc import Iterator
 from typing import Any, BinaryIO
 
-# gcsfs >= 2026 probes a gRPC API on first use unless told not to; against emulators and
-# many private endpoints that stalls every call for minutes. Respect an explicit setting.
-os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
-
-import torch  # noqa: E402
-from torch.distributed._shard._utils import narrow_tensor_by_index  # noqa: E402
-from torch.distributed.checkpoint.filesystem import _StorageInfo  # noqa: E402
-from torch.distributed.checkpoint.metadata import (  # noqa: E402
+import torch
+from torch.distributed._shard._utils import narrow_tensor_by_index
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import (
     Metadata,
     MetadataIndex,
     StorageMeta,
     TensorStorageMetadata,
 )
-from torch.distributed.checkpoint.planner import (  # noqa: E402
+from torch.distributed.checkpoint.planner import (
     LoadItemType,
     LoadPlan,
     LoadPlanner,
@@ -63,420 +55,31 @@ from torch.distributed.checkpoint.planner import (  # noqa: E402
     SavePlanner,
     WriteItemType,
 )
-from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult  # noqa: E402
-from torch.futures import Future  # noqa: E402
+from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+from torch.futures import Future
 
-from .errors import (  # noqa: E402
+from .errors import (
     CheckpointCorruptError,
-    CheckpointError,
     CheckpointExistsError,
     CheckpointIncompleteError,
     CheckpointNotFoundError,
-    StorageError,
-    UnsafeCheckpointError,
+)
+from .integrity import _crc, decode_manifest, encode_manifest, load_metadata_bytes, manifest_name
+from .stores import (
+    METADATA,
+    Store,
+    checked_name,
+    open_store,
+    retrying,
 )
 
 log = logging.getLogger(__name__)
 
-METADATA = ".metadata"
-MANIFEST_PREFIX = ".dmuon-manifest-"
-MANIFEST_FORMAT = "dmuon-manifest/1"
 _DATA_FILE = re.compile(r"^__\d+_[0-9A-Za-z]+\.distcp$")
 _MANIFEST_FILE = re.compile(r"^\.dmuon-manifest-[0-9a-f]+\.json$")
 _TMP_FILE = re.compile(r"^\.(metadata|dmuon-manifest-[0-9a-f]+\.json)\.tmp-[0-9a-f]+$")
 _FILE_STATS = "__dmuon_file_stats__"
 STALE_AFTER_S = 3600.0  # files of a failed save older than this are collected by the next commit
-
-
-# ---------------------------------------------------------------------------------------------
-# stores
-# ---------------------------------------------------------------------------------------------
-def checked_name(name: str) -> str:
-    """A file name inside the checkpoint: no separators, no '..', nothing absolute."""
-    if (
-        not isinstance(name, str)
-        or not name
-        or name in (".", "..")
-        or "/" in name
-        or "\\" in name
-        or "\x00" in name
-        or os.path.isabs(name)
-    ):
-        raise UnsafeCheckpointError(f"storage path {name!r} leaves the checkpoint directory; refused")
-    return name
-
-
-class LocalStore:
-    """A directory on a local or network filesystem; fsync makes each step durable."""
-
-    def __init__(self, root: str, sync_files: bool = True) -> None:
-        self.root = os.path.abspath(root)
-        self.url = self.root
-        self.sync_files = sync_files
-
-    def _path(self, name: str) -> str:
-        return os.path.join(self.root, checked_name(name))
-
-    def makedirs(self) -> None:
-        os.makedirs(self.root, exist_ok=True)
-
-    def is_dir(self) -> bool:
-        return os.path.isdir(self.root)
-
-    def list(self) -> dict[str, int]:
-        try:
-            return {e.name: e.stat().st_size for e in os.scandir(self.root) if e.is_file()}
-        except FileNotFoundError:
-            return {}
-
-    @contextlib.contextmanager
-    def open_write(self, name: str) -> Iterator[BinaryIO]:
-        path = self._path(name)
-        f = open(path, "wb")
-        try:
-            yield f
-            f.flush()
-            if self.sync_files:
-                os.fsync(f.fileno())
-            f.close()
-        except BaseException:
-            f.close()
-            with contextlib.suppress(OSError):
-                os.remove(path)
-            raise
-
-    def open_read(self, name: str) -> BinaryIO:
-        return open(self._path(name), "rb")
-
-    def read(self, name: str) -> bytes:
-        with self.open_read(name) as f:
-            return f.read()
-
-    def put(self, name: str, data: bytes, *, exclusive: bool = False) -> None:
-        """Atomic: the file appears whole or not at all. ``exclusive`` fails if it exists."""
-        final = self._path(name)
-        tmp = self._path(f"{name}.tmp-{uuid.uuid4().hex[:12]}")
-        with self.open_write(os.path.basename(tmp)) as f:
-            f.write(data)
-        try:
-            if exclusive:
-                os.link(tmp, final)  # atomic create-if-absent, unlike rename
-                os.remove(tmp)
-            else:
-                os.replace(tmp, final)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.remove(tmp)
-            raise
-        if self.sync_files:
-            self._sync_dir()
-
-    def _sync_dir(self) -> None:
-        with contextlib.suppress(OSError):
-            fd = os.open(self.root, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-
-    def delete(self, name: str) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(self._path(name))
-
-    def modified(self, name: str) -> float:
-        return os.path.getmtime(self._path(name))
-
-    def child(self, name: str) -> "LocalStore":
-        return LocalStore(self._path(name), self.sync_files)
-
-    def list_dirs(self) -> list[str]:
-        try:
-            return [e.name for e in os.scandir(self.root) if e.is_dir()]
-        except FileNotFoundError:
-            return []
-
-    def remove_tree(self) -> None:
-        import shutil
-
-        shutil.rmtree(self.root, ignore_errors=True)
-
-
-READ_BLOCK = 32 * 2**20
-_OBJECT_STORES = {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "oss", "r2"}
-
-
-class FsspecStore:
-    """Any fsspec filesystem. Objects appear whole on close; fsync would add nothing there."""
-
-    def __init__(self, url: str, storage_options: dict | None = None) -> None:
-        import fsspec
-
-        self.fs, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
-        self.root = path.rstrip("/")
-        self.url = url.rstrip("/")
-
-    def _path(self, name: str) -> str:
-        return f"{self.root}/{checked_name(name)}"
-
-    def makedirs(self) -> None:
-        # Object stores have no directories to create, and asking costs a request that, with
-        # the endpoint down, adds a whole retry cycle before the error surfaces.
-        protocols = self.fs.protocol if isinstance(self.fs.protocol, (tuple, list)) else (self.fs.protocol,)
-        if set(protocols) & _OBJECT_STORES:
-            return
-        with contextlib.suppress(FileExistsError):
-            self.fs.makedirs(self.root, exist_ok=True)
-
-    def is_dir(self) -> bool:
-        return bool(self.list()) or self.fs.isdir(self.root)
-
-    def list(self) -> dict[str, int]:
-        try:
-            self.fs.invalidate_cache(self.root)
-            entries = self.fs.ls(self.root, detail=True)
-        except FileNotFoundError:
-            return {}
-        out = {}
-        for entry in entries:
-            if entry.get("type") == "file":
-                out[entry["name"].rstrip("/").rsplit("/", 1)[-1]] = int(entry.get("size") or 0)
-        return out
-
-    @contextlib.contextmanager
-    def open_write(self, name: str) -> Iterator[BinaryIO]:
-        path = self._path(name)
-        f = self.fs.open(path, "wb")
-        try:
-            yield f
-            f.close()
-        except BaseException:
-            # fsspec uploads whatever was buffered on close(); throw it away instead.
-            with contextlib.suppress(Exception):
-                if hasattr(f, "discard"):
-                    f.discard()
-                f.closed = True
-            with contextlib.suppress(Exception):
-                self.fs.rm_file(path)
-            raise
-
-    def open_read(self, name: str) -> BinaryIO:
-        # Items are read in file order: a large read-ahead turns them into a few big GETs
-        # instead of one request per item (gcsfs's default makes hundreds per file).
-        return self.fs.open(self._path(name), "rb", block_size=READ_BLOCK, cache_type="readahead")
-
-    def read(self, name: str) -> bytes:
-        return self.fs.cat_file(self._path(name))
-
-    def put(self, name: str, data: bytes, *, exclusive: bool = False) -> None:
-        """One PUT: object stores make it appear whole or not at all.
-
-        ``exclusive`` is a conditional create (S3 ``If-None-Match``, GCS ``ifGenerationMatch=0``
-        through fsspec's ``mode="create"``). A refusal is checked by reading the object back:
-        when a retried request finds its own earlier, acknowledged-but-unanswered write there,
-        the commit did happen; anything else there means another writer won.
-        """
-        path = self._path(name)
-        if not exclusive:
-            self.fs.pipe_file(path, data)
-            return
-        try:
-            try:
-                self.fs.pipe_file(path, data, mode="create")
-            except (TypeError, NotImplementedError):  # no conditional create: check, then PUT
-                if self.fs.exists(path):
-                    raise FileExistsError(path) from None
-                self.fs.pipe_file(path, data)
-        except FileExistsError:
-            self._raise_unless_ours(path, data)
-        except OSError as exc:
-            text = str(exc).lower()
-            if "pre-condition" in text or "precondition" in text or exc.errno == errno.EEXIST:
-                self._raise_unless_ours(path, data)
-            else:
-                raise
-
-    def _raise_unless_ours(self, path: str, data: bytes) -> None:
-        self.fs.invalidate_cache(self.root)
-        try:
-            if self.fs.cat_file(path) == data:
-                return
-        except FileNotFoundError:
-            pass
-        raise FileExistsError(f"{path}: another writer committed first")
-
-    def delete(self, name: str) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            self.fs.rm_file(self._path(name))
-
-    def modified(self, name: str) -> float:
-        return self.fs.modified(self._path(name)).timestamp()
-
-    def child(self, name: str) -> "FsspecStore":
-        child = object.__new__(FsspecStore)
-        child.fs, child.root, child.url = self.fs, self._path(name), f"{self.url}/{checked_name(name)}"
-        return child
-
-    def list_dirs(self) -> list[str]:
-        try:
-            self.fs.invalidate_cache(self.root)
-            entries = self.fs.ls(self.root, detail=True)
-        except FileNotFoundError:
-            return []
-        return [e["name"].rstrip("/").rsplit("/", 1)[-1] for e in entries if e.get("type") == "directory"]
-
-    def remove_tree(self) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            self.fs.rm(self.root, recursive=True)
-
-
-def remove_checkpoint(store: "Store") -> None:
-    """Un-commit first (.metadata), then delete: a crash midway leaves an incomplete directory,
-    never a committed checkpoint with missing files."""
-    store.delete(METADATA)
-    store.remove_tree()
-
-
-Store = LocalStore | FsspecStore
-
-
-def is_remote(checkpoint_id: str | os.PathLike) -> bool:
-    text = os.fspath(checkpoint_id)
-    return "://" in text and not text.startswith("file://")
-
-
-def open_store(checkpoint_id: str | os.PathLike, storage_options: dict | None = None,
-               sync_files: bool | None = None) -> Store:
-    text = os.fspath(checkpoint_id)
-    if not is_remote(text):
-        path = text[len("file://"):] if text.startswith("file://") else text
-        return LocalStore(path, sync_files=True if sync_files is None else sync_files)
-    if sync_files:
-        log.info("sync_files ignored for %s: object stores have no fsync", text)
-    return FsspecStore(text, storage_options)
-
-
-# ---------------------------------------------------------------------------------------------
-# manifest
-# ---------------------------------------------------------------------------------------------
-def _crc(data) -> int:
-    return zlib.crc32(data) & 0xFFFFFFFF
-
-
-def manifest_name(save_id: str) -> str:
-    return f"{MANIFEST_PREFIX}{save_id}.json"
-
-
-def encode_manifest(save_id: str, files: dict[str, dict], metadata_bytes: bytes) -> bytes:
-    """One line of JSON, then a line with the CRC32 of exactly those bytes.
-
-    Any change to any byte of the file (whitespace included) fails :func:`decode_manifest`.
-    """
-    body = {
-        "format": MANIFEST_FORMAT,
-        "save_id": save_id,
-        "metadata": {"size": len(metadata_bytes), "crc32": _crc(metadata_bytes)},
-        "files": files,
-    }
-    line = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
-    return line + f"\ncrc32={_crc(line):08x}\n".encode()
-
-
-def decode_manifest(name: str, data: bytes) -> dict:
-    line = data.split(b"\n", 1)[0]
-    body = None
-    if data == line + f"\ncrc32={_crc(line):08x}\n".encode():
-        try:
-            body = json.loads(line)
-        except (ValueError, UnicodeDecodeError):
-            body = None
-    if not isinstance(body, dict) or body.get("format") != MANIFEST_FORMAT:
-        raise CheckpointCorruptError(f"checksum manifest {name} is corrupted (checksum or format mismatch)")
-    return body
-
-
-# ---------------------------------------------------------------------------------------------
-# allow-listed unpickling of .metadata
-# ---------------------------------------------------------------------------------------------
-_ALLOWED_GLOBALS = {
-    ("torch.distributed.checkpoint.metadata", name)
-    for name in (
-        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
-        "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING",
-    )
-} | {
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("torch", "Size"),
-    ("torch.serialization", "_get_layout"),
-    ("pathlib", "PosixPath"),
-    ("pathlib", "PurePosixPath"),
-    ("pathlib", "WindowsPath"),
-    ("pathlib", "PureWindowsPath"),
-    ("collections", "OrderedDict"),
-}
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str):
-        if (module, name) in _ALLOWED_GLOBALS:
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        raise UnsafeCheckpointError(
-            f".metadata refers to {module}.{name}, which a checkpoint has no reason to contain; "
-            "refusing to unpickle it (it could run code)"
-        )
-
-
-def load_metadata_bytes(data: bytes, where: str) -> Metadata:
-    try:
-        metadata = _MetadataUnpickler(io.BytesIO(data)).load()
-    except UnsafeCheckpointError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - any decoding failure means a damaged file
-        raise CheckpointCorruptError(f"{where}: .metadata cannot be decoded ({exc})") from exc
-    if not isinstance(metadata, Metadata):
-        raise CheckpointCorruptError(f"{where}: .metadata holds a {type(metadata).__name__}, not DCP Metadata")
-    return metadata
-
-
-# ---------------------------------------------------------------------------------------------
-# retries
-# ---------------------------------------------------------------------------------------------
-# Errors that another attempt cannot fix: what the checkpoint says, what the caller asked for,
-# and programming errors. Everything else on an object store (a reset connection, a 5xx the
-# client gave up on, a body cut short and caught by its checksum) is worth a fresh attempt.
-_PERMANENT = (UnsafeCheckpointError, CheckpointExistsError, CheckpointIncompleteError, CheckpointNotFoundError,
-              FileExistsError, FileNotFoundError, PermissionError, TypeError, AttributeError, KeyError,
-              AssertionError, NotImplementedError)
-# A write that hits "not found" lost its upload session (GCS resumable uploads): redo it.
-_PERMANENT_FOR_WRITES = tuple(e for e in _PERMANENT if e is not FileNotFoundError)
-REMOTE_ATTEMPTS = 4
-_NO_ROOM = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG}
-
-
-def retrying(store: "Store", what: str, fn, *, writing: bool = False):
-    """Call ``fn``; on an object store, again after a transient failure (whole-file granularity).
-
-    The last failure is raised as a :class:`StorageError` that says what was being done where.
-    """
-    attempts = REMOTE_ATTEMPTS if isinstance(store, FsspecStore) else 1
-    permanent = _PERMANENT_FOR_WRITES if writing else _PERMANENT
-    for attempt in range(attempts):
-        try:
-            return fn()
-        except permanent:
-            raise
-        except Exception as exc:  # noqa: BLE001 - classified above
-            out_of_space = isinstance(exc, OSError) and exc.errno in _NO_ROOM
-            if attempt + 1 == attempts or out_of_space:
-                if isinstance(exc, CheckpointError):
-                    raise
-                tries = f" after {attempts} attempts" if attempts > 1 else ""
-                raise StorageError(f"{store.url}: {what} failed{tries}: {type(exc).__name__}: {exc}") from exc
-            log.warning("%s: %s failed (%s: %s); retrying", store.url, what, type(exc).__name__, exc)
-            time.sleep(0.5 * 2**attempt)
-    raise AssertionError("unreachable")
-
 
 # ---------------------------------------------------------------------------------------------
 # the writer

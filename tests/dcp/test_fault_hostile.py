@@ -13,7 +13,8 @@ import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 
 import dmuon.dcp as ddcp
-from dmuon.dcp.storage import decode_manifest, encode_manifest, open_checkpoint
+from dmuon.dcp.integrity import decode_manifest, encode_manifest
+from dmuon.dcp.storage import open_checkpoint
 from tests.helpers.launch import run_ranks
 from tests.helpers.training import build, train
 
