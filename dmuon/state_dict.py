@@ -18,15 +18,12 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 
 from .dedicated import DedicatedParam, DedicatedRegistry, get_registry
 from .optim.muon import ADAMW_GROUP, MUON_GROUP, Muon
+from .topology import current_rank as _rank
 
 
 # ---------------------------------------------------------------------------------------------
 # collecting full tensors
 # ---------------------------------------------------------------------------------------------
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
 def _single_shard_dim(tensor: DTensor) -> int | None:
     """Mesh dim of the only Shard(0) placement when all others are Replicate (FSDP2 / HSDP)."""
     shard_dims = [i for i, p in enumerate(tensor.placements) if isinstance(p, Shard)]
@@ -72,22 +69,30 @@ def _full_tensor(tensor: torch.Tensor, rank0_only: bool) -> torch.Tensor | None:
 
 
 def _from_global_owner(
-    rec: DedicatedParam, value: torch.Tensor | None, rank0_only: bool
+    rec: DedicatedParam, value: torch.Tensor | None, rank0_only: bool,
+    shape: tuple[int, ...] | None = None, dtype: torch.dtype | None = None,
 ) -> torch.Tensor | None:
-    """Move a tensor that only the global owner has (``value``) to rank 0 or to every rank."""
+    """Move a tensor that only the global owner has (``value``) to rank 0 or to every rank.
+
+    ``shape`` / ``dtype`` default to the parameter's; optimizer step counters pass ``()``.
+    """
+    shape = tuple(rec.shape) if shape is None else shape
+    dtype = rec.master_dtype if dtype is None else dtype
     src = rec.topo.global_rank(rec.owner)
     me = _rank()
+    if me == src:
+        value = value.to(rec.topo.device)  # a CPU step counter must travel on the device
     if rank0_only:
         if me == src:
             if me != 0:
                 dist.send(value.contiguous(), dst=0)
             return value if me == 0 else None
         if me == 0:
-            buf = torch.empty(rec.shape, dtype=rec.master_dtype, device=rec.topo.device)
+            buf = torch.empty(shape, dtype=dtype, device=rec.topo.device)
             dist.recv(buf, src=src)
             return buf
         return None
-    buf = value if me == src else torch.empty(rec.shape, dtype=rec.master_dtype, device=rec.topo.device)
+    buf = value if me == src else torch.empty(shape, dtype=dtype, device=rec.topo.device)
     dist.broadcast(buf, src=src)
     return buf
 
@@ -269,6 +274,14 @@ def hyperparameters(optimizer: Muon) -> list[dict[str, Any]]:
     return [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
 
 
+def restore_hyperparameters(optimizer: Muon, groups: Mapping[str, Mapping[str, Any]]) -> None:
+    """Apply saved hyper-parameters to the optimizer's groups, matched by group name."""
+    for group in optimizer.param_groups:
+        saved = groups.get(group["name"])
+        if saved:
+            group.update({k: v for k, v in saved.items() if k != "params"})
+
+
 def get_optimizer_state_dict(
     model: nn.Module, optimizer: Muon, *, cpu_offload: bool = True, rank0_only: bool = True
 ) -> dict[str, Any]:
@@ -293,7 +306,7 @@ def get_optimizer_state_dict(
         for name in _state_keys(rec):
             mine = optimizer.state[rec.master][name] if rec.is_global_owner else None
             if name == "step":
-                full = _step_from_owner(rec, mine, rank0_only)
+                full = _from_global_owner(rec, mine, rank0_only, shape=(), dtype=torch.float32)
             else:
                 full = _from_global_owner(rec, mine, rank0_only)
             full = _finish(full, cpu_offload)
@@ -304,20 +317,6 @@ def get_optimizer_state_dict(
     if not keep:
         return {}
     return {"fsdp2": fsdp2, "dedicated": dedicated, "param_groups": hyperparameters(optimizer)}
-
-
-def _step_from_owner(rec: DedicatedParam, step: torch.Tensor | None, rank0_only: bool):
-    src = rec.topo.global_rank(rec.owner)
-    buf = step.clone() if step is not None else torch.zeros((), dtype=torch.float32)
-    buf = buf.to(rec.topo.device)
-    if rank0_only:
-        if _rank() == src and src != 0:
-            dist.send(buf, dst=0)
-        elif _rank() == 0 and src != 0:
-            dist.recv(buf, src=src)
-        return buf if _rank() == 0 else None
-    dist.broadcast(buf, src=src)
-    return buf
 
 
 def set_optimizer_state_dict(model: nn.Module, optimizer: Muon, state_dict: Mapping[str, Any]) -> None:
@@ -357,10 +356,7 @@ def set_optimizer_state_dict(model: nn.Module, optimizer: Muon, state_dict: Mapp
             if rec.is_global_owner:
                 for name, target in optimizer.state[rec.master].items():
                     _copy_into(target, state_dict["dedicated"][rec.fqn][name])
-    for group in optimizer.param_groups:
-        saved = groups.get(group["name"])
-        if saved is not None:
-            group.update({k: v for k, v in saved.items() if k != "params"})
+    restore_hyperparameters(optimizer, groups)
 
 
 def _check_entry(problems: list[str], section: str, fqn: str, entry, shapes: Mapping[str, tuple]):

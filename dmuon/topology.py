@@ -13,6 +13,11 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 
+def current_rank() -> int:
+    """This process's global rank; 0 without a process group (single-process tools)."""
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
 @dataclass(frozen=True)
 class Topology:
     shard_group: dist.ProcessGroup

@@ -5,20 +5,16 @@ import logging
 import os
 import re
 
-import torch.distributed as dist
 from torch import nn
 
 from ..optim.muon import Muon
+from ..topology import current_rank as _rank
 from . import api
 from .errors import CheckpointCorruptError, CheckpointError, CheckpointIncompleteError
 from .stores import METADATA, open_store, remove_checkpoint
 
 log = logging.getLogger(__name__)
 _STEP_DIR = re.compile(r"^step-(\d+)$")
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 class CheckpointManager:

@@ -46,8 +46,9 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.utils import find_state_dict_object
 
 from .. import __version__
+from ..topology import current_rank
 from .errors import CheckpointMismatchError
-from .state import OwnedTensor, StagedShard, current_rank, owned_from_placeholder, placeholder_owner
+from .state import OwnedTensor, StagedShard, owned_from_placeholder, placeholder_owner
 
 log = logging.getLogger(__name__)
 

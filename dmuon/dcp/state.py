@@ -11,12 +11,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from ..dedicated import DedicatedParam, get_registry, placeholder_record
 from ..optim.muon import Muon
-from ..state_dict import hyperparameters
+from ..state_dict import hyperparameters, restore_hyperparameters
 
 
 @dataclass
@@ -150,11 +149,7 @@ class AppState:
         if registry is not None:
             registry.reshard_all()  # full copies from before the load are stale
         if self.optimizer is not None and "optim" in state_dict:
-            groups = state_dict["optim"].get("param_groups", {})
-            for group in self.optimizer.param_groups:
-                saved = groups.get(group["name"])
-                if saved:
-                    group.update({k: v for k, v in saved.items() if k != "params"})
+            restore_hyperparameters(self.optimizer, state_dict["optim"].get("param_groups", {}))
         self.loaded_extra = state_dict.get("extra", {})
 
 
@@ -171,8 +166,4 @@ def placeholder_owner(tensor: torch.Tensor) -> DedicatedParam | None:
 def owned_from_placeholder(rec: DedicatedParam) -> OwnedTensor:
     master = rec.master.detach() if rec.master is not None else None
     return _owned(rec, master, only_global_owner=False)
-
-
-def current_rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 

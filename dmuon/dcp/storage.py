@@ -58,6 +58,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
+from ..topology import current_rank
 from .errors import (
     CheckpointCorruptError,
     CheckpointExistsError,
@@ -118,12 +119,6 @@ def _cpu_compact(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def _current_rank() -> int:
-    import torch.distributed as dist
-
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
 class DMuonStorageWriter(StorageWriter):
     """DCP storage writer for local paths and fsspec URLs with checksums and a safe commit."""
 
@@ -153,7 +148,7 @@ class DMuonStorageWriter(StorageWriter):
         if self.store is None:
             raise ValueError("DMuonStorageWriter needs a checkpoint_id")
         self.is_coordinator = is_coordinator
-        self.rank = kwargs.get("rank", _current_rank())
+        self.rank = kwargs.get("rank", current_rank())
         self._replaced: set[str] = set()
         if is_coordinator:
             self.store.makedirs()

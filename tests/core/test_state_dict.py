@@ -1,5 +1,6 @@
 """The flat-dict checkpoint API of the seed: exact resume, any topology, clear errors."""
 import copy
+from functools import partial
 
 import pytest
 import torch
@@ -11,8 +12,6 @@ from tests.helpers.memory import PeakRSS, return_freed_memory_to_os
 from tests.helpers.models import OddShapes, TinyTransformer, Wide
 from tests.helpers.setup import make_mesh, max_abs_diff, shard_model
 from tests.helpers.training import build, check_bit_exact_resume, local_batch, train
-
-STEPS = 6
 
 
 def save_flat(model, opt, path, step):
@@ -33,25 +32,10 @@ def load_flat(model, opt, path):
     return ckpt["step"]
 
 
-def resume_worker(rank, world, replicate, phase, path):
-    model, opt = build(replicate)
-    if phase == "uninterrupted":
-        losses = train(model, opt, rank, world, range(STEPS))
-    elif phase == "first_half":
-        losses = train(model, opt, rank, world, range(STEPS // 2))
-        pending = sum(rec._replicate_work is not None for rec in model._dmuon_registry)
-        save_flat(model, opt, path, STEPS // 2)  # right after step(): HSDP broadcasts pending
-        return {"losses": losses, "pending": pending}
-    else:
-        start = load_flat(model, opt, path)
-        losses = train(model, opt, rank, world, range(start, STEPS))
-    return {"losses": losses, "model": dmuon.get_model_state_dict(model),
-            "optim": dmuon.get_optimizer_state_dict(model, opt)}
-
-
 @pytest.mark.parametrize("world,replicate", [(2, 1), (4, 1), (4, 2)], ids=["2ranks", "4ranks", "hsdp2x2"])
 def test_bit_exact_resume(tmp_path, world, replicate):
-    second = check_bit_exact_resume(resume_worker, world, replicate, tmp_path / "checkpoint.pt")
+    path = tmp_path / "checkpoint.pt"
+    second = check_bit_exact_resume(world, replicate, partial(save_flat, path=path), partial(load_flat, path=path))
     assert all(r["model"] == {} and r["optim"] == {} for r in second[1:])  # rank0_only default
 
 

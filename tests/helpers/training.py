@@ -33,17 +33,36 @@ def build(replicate: int = 1, model_cls=TinyTransformer, predicate=proj_predicat
     return model, opt
 
 
-def check_bit_exact_resume(worker, world: int, replicate: int, *args) -> list:
-    """Run ``worker(rank, world, replicate, phase, *args)`` for the phases "uninterrupted",
-    "first_half" (trains, saves right after ``step()``) and "second_half" (fresh processes:
-    load, train on), and assert the halves equal the straight run bit for bit.
+RESUME_STEPS = 6
 
-    Workers return ``losses``, and on rank 0 ``model`` and ``optim`` (flat dicts); the first
-    half also ``pending``: how many HSDP broadcasts were in flight when it saved.
-    """
-    full = run_ranks(worker, world, replicate, "uninterrupted", *args)
-    first = run_ranks(worker, world, replicate, "first_half", *args)
-    second = run_ranks(worker, world, replicate, "second_half", *args)
+
+def resume_worker(rank, world, replicate, phase, save, load):
+    """One phase of a resume check: train straight through, or train half and ``save(model,
+    opt, step=...)`` right after ``step()`` (HSDP broadcasts still pending), or ``load(model,
+    opt) -> step`` in fresh processes and train on. ``save``/``load`` are picklable callables."""
+    model, opt = build(replicate)
+    if phase == "uninterrupted":
+        losses = train(model, opt, rank, world, range(RESUME_STEPS))
+    elif phase == "first_half":
+        losses = train(model, opt, rank, world, range(RESUME_STEPS // 2))
+        pending = sum(rec._replicate_work is not None for rec in model._dmuon_registry)
+        save(model, opt, step=RESUME_STEPS // 2)
+        return {"losses": losses, "pending": pending}
+    else:
+        start = load(model, opt)
+        losses = train(model, opt, rank, world, range(start, RESUME_STEPS))
+    import dmuon
+
+    return {"losses": losses, "model": dmuon.get_model_state_dict(model),
+            "optim": dmuon.get_optimizer_state_dict(model, opt)}
+
+
+def check_bit_exact_resume(world: int, replicate: int, save, load) -> list:
+    """Assert that train-half, save, load in fresh processes, train-half equals training
+    straight through, bit for bit (losses, parameters, optimizer state)."""
+    full = run_ranks(resume_worker, world, replicate, "uninterrupted", save, load)
+    first = run_ranks(resume_worker, world, replicate, "first_half", save, load)
+    second = run_ranks(resume_worker, world, replicate, "second_half", save, load)
     if replicate > 1:
         assert any(r["pending"] for r in first), "the HSDP case must save with broadcasts pending"
     for rank in range(world):
