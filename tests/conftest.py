@@ -22,6 +22,16 @@ def s3_server(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def rgw_server(tmp_path_factory):
+    """Ceph RADOS Gateway (one monitor, one memstore OSD) on 127.0.0.1, for the whole session."""
+    from tests.helpers.object_storage import CephRGW
+
+    server = CephRGW(tmp_path_factory.mktemp("ceph-rgw"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
 def gcs_server(tmp_path_factory):
     """A GCS emulator (fake-gcs-server) on 127.0.0.1, for the whole session."""
     from tests.helpers.object_storage import FakeGCS
@@ -29,6 +39,22 @@ def gcs_server(tmp_path_factory):
     server = FakeGCS(tmp_path_factory.mktemp("fake-gcs"))
     yield server
     server.stop()
+
+
+@pytest.fixture
+def checkpoint_location(request, tmp_path):
+    """``locate(backend)`` -> (checkpoint root, storage_options) on that backend.
+
+    Backends: "local" (a temporary directory), "s3" (SeaweedFS), "rgw" (Ceph RADOS Gateway,
+    also S3), "gcs" (fake-gcs-server).
+    """
+    def locate(backend: str, name: str = "run"):
+        if backend == "local":
+            return str(tmp_path / name), None
+        server = request.getfixturevalue(f"{backend}_server")
+        return server.url(), server.storage_options
+
+    return locate
 
 
 @pytest.fixture(params=["local", "s3", "gcs"])

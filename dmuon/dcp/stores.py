@@ -232,8 +232,7 @@ class FsspecStore:
         except FileExistsError:
             self._raise_unless_ours(path, data)
         except OSError as exc:
-            text = str(exc).lower()
-            if "pre-condition" in text or "precondition" in text or exc.errno == errno.EEXIST:
+            if _is_precondition_failure(exc):
                 self._raise_unless_ours(path, data)
             else:
                 raise
@@ -270,6 +269,34 @@ class FsspecStore:
     def remove_tree(self) -> None:
         with contextlib.suppress(FileNotFoundError):
             self.fs.rm(self.root, recursive=True)
+
+
+def _is_precondition_failure(exc: BaseException) -> bool:
+    """Did a conditional create fail because the object exists?
+
+    Clients disagree on how to say so: gcsfs puts "precondition" in the message, s3fs maps
+    S3's 412 to ``OSError(EINVAL, None)`` and leaves the code only on the botocore error it
+    chains (Ceph RGW answers that way; SeaweedFS's message happens to name it). Look at the
+    whole chain, at status codes as well as text.
+    """
+    seen = 0
+    while exc is not None and seen < 8:
+        if isinstance(exc, OSError) and exc.errno == errno.EEXIST:
+            return True
+        text = str(exc).lower()
+        if "pre-condition" in text or "precondition" in text:
+            return True
+        response = getattr(exc, "response", None)
+        if isinstance(response, dict):
+            error = response.get("Error") or {}
+            status = (response.get("ResponseMetadata") or {}).get("HTTPStatusCode")
+            if error.get("Code") in ("PreconditionFailed", "412") or status == 412:
+                return True
+        if getattr(exc, "code", None) == 412 or getattr(exc, "status", None) == 412:
+            return True
+        exc = exc.__cause__ or exc.__context__
+        seen += 1
+    return False
 
 
 def remove_checkpoint(store: "Store") -> None:

@@ -48,15 +48,11 @@ def files_of(path, options):
     return sorted(p.rsplit("/", 1)[-1] for p in fs.ls(root, detail=False))
 
 
-@pytest.mark.parametrize("backend", ["local", "s3"])
-def test_two_concurrent_saves_one_wins_no_mixture(request, tmp_path, backend, reliability_report):
+@pytest.mark.parametrize("backend", ["local", "s3", "rgw"])
+def test_two_concurrent_saves_one_wins_no_mixture(checkpoint_location, backend, reliability_report):
     counts = {"trials": 0, "one_winner": 0, "loser_failed_cleanly": 0, "lost_at_commit": 0, "mixed_commits": 0}
     for trial in range(TRIALS):
-        if backend == "local":
-            path, options = str(tmp_path / f"t{trial}"), None
-        else:
-            server = request.getfixturevalue("s3_server")
-            path, options = server.url(), server.storage_options
+        path, options = checkpoint_location(backend, f"t{trial}")
         results = run_two_jobs(path, options)
         counts["trials"] += 1
         winners = [n for n, (status, _) in results.items() if status == "ok"]

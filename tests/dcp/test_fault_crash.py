@@ -64,16 +64,12 @@ def verify_worker(rank, world, root, options, crashed):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", ["local", "s3"])
-def test_crash_at_random_points_never_loses_the_previous_checkpoint(request, tmp_path, backend,
+@pytest.mark.parametrize("backend", ["local", "s3", "rgw"])
+def test_crash_at_random_points_never_loses_the_previous_checkpoint(checkpoint_location, backend,
                                                                     reliability_report):
-    if backend == "local":
-        root, options = str(tmp_path / "run"), None
-    else:
-        server = request.getfixturevalue("s3_server")
-        root, options = server.url(), server.storage_options
+    root, options = checkpoint_location(backend)
     saved = run_ranks(first_save_worker, 2, root, options)[0]
-    rng = random.Random(2024 if backend == "local" else 2025)
+    rng = random.Random({"local": 2024, "s3": 2025, "rgw": 2026}[backend])
     points = crash_points(remote=backend != "local")
     crashed, where = [], {}
     for trial in range(TRIALS):

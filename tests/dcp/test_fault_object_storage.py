@@ -39,7 +39,7 @@ def flaky_worker(rank, world, urls, options):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", ["s3", "gcs"])
+@pytest.mark.parametrize("backend", ["s3", "rgw", "gcs"])
 def test_flaky_endpoint_saves_and_loads_20_of_20(request, backend, reliability_report):
     server = request.getfixturevalue(f"{backend}_server")
     proxy = FaultProxy(server.port, rate=0.10, seed=7, max_delay=0.3)
@@ -62,7 +62,7 @@ def down_worker(rank, world, url, options):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", ["s3", "gcs"])
+@pytest.mark.parametrize("backend", ["s3", "rgw", "gcs"])
 def test_endpoint_down_fails_clearly_and_commits_nothing(request, backend, reliability_report):
     server = request.getfixturevalue(f"{backend}_server")
     proxy = FaultProxy(server.port, rate=0.0)

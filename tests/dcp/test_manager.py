@@ -28,13 +28,9 @@ def resume_worker(rank, world, root, storage_options):
     return {"step": step, "extra": manager.last_extra, "state": dmuon.get_model_state_dict(model)}
 
 
-@pytest.mark.parametrize("backend", ["local", "s3"])
-def test_keep_last_and_load_latest(request, tmp_path, backend):
-    if backend == "local":
-        root, options = str(tmp_path / "run"), None
-    else:
-        server = request.getfixturevalue("s3_server")
-        root, options = server.url(), server.storage_options
+@pytest.mark.parametrize("backend", ["local", "s3", "rgw"])
+def test_keep_last_and_load_latest(checkpoint_location, backend):
+    root, options = checkpoint_location(backend)
     saved = run_ranks(retention_worker, 2, root, options)[0]
     assert saved["steps"] == [4, 5]
     if backend == "local":

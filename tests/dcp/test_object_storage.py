@@ -1,4 +1,4 @@
-"""Round trips through real local S3 (SeaweedFS) and GCS (fake-gcs-server) servers over HTTP."""
+"""Round trips through real local S3 (SeaweedFS, Ceph RGW) and GCS (fake-gcs-server) servers over HTTP."""
 import fsspec
 import pytest
 
@@ -6,7 +6,7 @@ from tests.dcp.test_topology import assert_same_state, load_worker, save_worker
 from tests.helpers.launch import run_ranks
 
 
-@pytest.mark.parametrize("backend", ["s3", "gcs"])
+@pytest.mark.parametrize("backend", ["s3", "rgw", "gcs"])
 @pytest.mark.parametrize("world", [2, 4])
 def test_round_trip_on_object_storage(request, backend, world):
     server = request.getfixturevalue(f"{backend}_server")
