@@ -5,6 +5,7 @@ Saves and loads must all succeed with identical data (the clients retry; dmuon v
 item it reads). With the endpoint down for good: a clear error within 60 s, nothing committed.
 """
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import fsspec
 import pytest
@@ -57,29 +58,44 @@ def test_flaky_endpoint_saves_and_loads_20_of_20(request, backend, reliability_r
 
 
 def down_worker(rank, world, url, options):
+    """Seconds from calling save to its error, as the training loop sees them."""
     model, opt = build()
-    ddcp.save(model, opt, url, storage_options=options)
+    started = time.monotonic()
+    try:
+        ddcp.save(model, opt, url, storage_options=options)
+    except ddcp.CheckpointError as exc:  # anything else fails the rank, and the test
+        return {"seconds": time.monotonic() - started, "error": f"{type(exc).__name__}: {exc}"}
+    return {"seconds": time.monotonic() - started, "error": None}
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("backend", ["s3", "rgw", "gcs"])
-def test_endpoint_down_fails_clearly_and_commits_nothing(request, backend, reliability_report):
-    server = request.getfixturevalue(f"{backend}_server")
+def down_on(server):
+    """Save through a proxy that refuses every connection: per-rank results and whether it committed."""
     proxy = FaultProxy(server.port, rate=0.0)
     proxy.down = True
     url = server.url()
-    started = time.monotonic()
     try:
-        with pytest.raises(RankFailed) as info:
-            run_ranks(down_worker, 2, url, dict(server.storage_options, endpoint_url=proxy.endpoint),
-                      timeout=120, grace=2.0)
+        ranks = run_ranks(down_worker, 2, url, dict(server.storage_options, endpoint_url=proxy.endpoint),
+                          timeout=150)
     finally:
         proxy.stop()
-    elapsed = time.monotonic() - started
-    message = str(info.value)
     fs, root = fsspec.core.url_to_fs(url, **server.storage_options)  # straight to the server
-    committed = fs.exists(f"{root}/.metadata")
-    reliability_report[f"endpoint_down_{backend}"] = {"seconds_to_error": round(elapsed, 1), "committed": committed}
-    assert f"save to {url} failed" in message
-    assert elapsed < 60, elapsed
-    assert not committed
+    return url, ranks, fs.exists(f"{root}/.metadata")
+
+
+@pytest.mark.slow
+def test_endpoint_down_fails_clearly_and_commits_nothing(request, reliability_report):
+    # The wait is the clients' own retry budget (sleeping, not computing): the three stores
+    # are taken down at once so the suite pays it once.
+    backends = ["s3", "rgw", "gcs"]
+    servers = {b: request.getfixturevalue(f"{b}_server") for b in backends}
+    with ThreadPoolExecutor(len(backends)) as pool:
+        results = dict(zip(backends, pool.map(down_on, servers.values())))
+    for backend, (url, ranks, committed) in results.items():
+        reliability_report[f"endpoint_down_{backend}"] = {
+            "seconds_to_error": round(max(r["seconds"] for r in ranks), 1), "committed": committed}
+    for backend, (url, ranks, committed) in results.items():
+        for rank, res in enumerate(ranks):
+            assert res["error"] is not None, (backend, rank, res)
+            assert f"save to {url} failed" in res["error"], (backend, rank, res)
+            assert res["seconds"] < 60, (backend, rank, res)
+        assert not committed, backend
