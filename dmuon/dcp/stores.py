@@ -148,13 +148,34 @@ READ_BLOCK = 32 * 2**20
 _OBJECT_STORES = {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "oss", "r2"}
 
 
+S3_REQUEST_RETRIES = {"mode": "standard", "max_attempts": 3}
+
+
+def _bounded_s3_retries(url: str, options: dict) -> dict:
+    """Give botocore a retry policy with a known ceiling, unless the caller chose one.
+
+    botocore's default ("legacy") backs off by a random factor, and s3fs repeats each call five
+    times around it: a dead endpoint then took anywhere from 30 s to over 60 s to report.
+    "standard" mode (AWS's recommendation) still retries throttling, 5xx and resets, and, with
+    s3fs's own five, makes 15 tries per call within about half a minute. An explicit
+    ``config_kwargs["retries"]`` wins.
+    """
+    if url.split("://", 1)[0] not in ("s3", "s3a"):
+        return options
+    config = dict(options.get("config_kwargs") or {})
+    if "retries" in config:
+        return options
+    config["retries"] = dict(S3_REQUEST_RETRIES)
+    return {**options, "config_kwargs": config}
+
+
 class FsspecStore:
     """Any fsspec filesystem. Objects appear whole on close; fsync would add nothing there."""
 
     def __init__(self, url: str, storage_options: dict | None = None) -> None:
         import fsspec
 
-        self.fs, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
+        self.fs, path = fsspec.core.url_to_fs(url, **_bounded_s3_retries(url, storage_options or {}))
         self.root = path.rstrip("/")
         self.url = url.rstrip("/")
 
@@ -192,14 +213,18 @@ class FsspecStore:
         try:
             yield f
             f.close()
-        except BaseException:
-            # fsspec uploads whatever was buffered on close(); throw it away instead.
+        except BaseException as exc:
+            # fsspec uploads whatever was buffered on close(); throw it away instead. With the
+            # endpoint unreachable, asking it to abort or delete would only wait out the client's
+            # retries once more: the leftovers are never committed, and a later save removes them.
+            reachable = not _endpoint_unreachable(exc)
             with contextlib.suppress(Exception):
-                if hasattr(f, "discard"):
+                if reachable and hasattr(f, "discard"):
                     f.discard()
                 f.closed = True
-            with contextlib.suppress(Exception):
-                self.fs.rm_file(path)
+            if reachable:
+                with contextlib.suppress(Exception):
+                    self.fs.rm_file(path)
             raise
 
     def open_read(self, name: str) -> BinaryIO:
@@ -342,6 +367,23 @@ REMOTE_ATTEMPTS = 4
 _NO_ROOM = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG}
 
 
+_CONNECTION_ERRORS = {"ConnectionError", "HTTPClientError", "ClientConnectionError"}  # builtin, botocore, aiohttp
+
+
+def _endpoint_unreachable(exc: BaseException | None) -> bool:
+    """Is this (or what it wraps) a failure to connect or to get a response at all?
+
+    Matched by class names along the MRO so neither botocore nor aiohttp has to be imported.
+    """
+    for _ in range(8):
+        if exc is None:
+            return False
+        if {cls.__name__ for cls in type(exc).__mro__} & _CONNECTION_ERRORS:
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
 def retrying(store: "Store", what: str, fn, *, writing: bool = False):
     """Call ``fn``; on an object store, again after a transient failure (whole-file granularity).
 
@@ -349,6 +391,7 @@ def retrying(store: "Store", what: str, fn, *, writing: bool = False):
     """
     attempts = REMOTE_ATTEMPTS if isinstance(store, FsspecStore) else 1
     permanent = _PERMANENT_FOR_WRITES if writing else _PERMANENT
+    started = time.monotonic()
     for attempt in range(attempts):
         try:
             return fn()
@@ -356,10 +399,15 @@ def retrying(store: "Store", what: str, fn, *, writing: bool = False):
             raise
         except Exception as exc:  # noqa: BLE001 - classified above
             out_of_space = isinstance(exc, OSError) and exc.errno in _NO_ROOM
-            if attempt + 1 == attempts or out_of_space:
+            # Whole-file retries are for what the client cannot retry itself (a lost upload
+            # session, a body caught short by our checksum). A connection error reaching us
+            # means the client already retried the request to exhaustion: the endpoint is
+            # gone, and another round would only multiply the time before the user hears it.
+            spent = time.monotonic() - started
+            if attempt + 1 == attempts or out_of_space or _endpoint_unreachable(exc):
                 if isinstance(exc, CheckpointError):
                     raise
-                tries = f" after {attempts} attempts" if attempts > 1 else ""
+                tries = f" after {attempt + 1} attempt(s) in {spent:.0f} s" if attempts > 1 else ""
                 raise StorageError(f"{store.url}: {what} failed{tries}: {type(exc).__name__}: {exc}") from exc
             log.warning("%s: %s failed (%s: %s); retrying", store.url, what, type(exc).__name__, exc)
             time.sleep(0.5 * 2**attempt)

@@ -4,7 +4,8 @@ Requests are forwarded byte for byte (the Host header and every signed header un
 SigV4 stays valid); responses are relayed with ``Connection: close``. With probability
 ``rate`` a request instead meets one fault: a 503 SlowDown, a 500, a connection reset, a
 response whose body is cut short, or a delay before forwarding. ``down=True`` refuses service
-entirely (every connection reset at once). Runs in a background thread with its own loop.
+entirely (every connection reset at once); ``down_from_first_write=True`` lets reads through
+and then does the same from the first upload on. Runs in a background thread with its own loop.
 """
 from __future__ import annotations
 
@@ -67,6 +68,7 @@ class FaultProxy:
         self.faults = faults
         self.max_delay = max_delay
         self.down = False
+        self.down_from_first_write = False  # go down for good at the first PUT/POST (mid-save)
         self.random = random.Random(seed)
         self.counts: Counter = Counter()
         self._loop = asyncio.new_event_loop()
@@ -113,6 +115,8 @@ class FaultProxy:
     async def _one_request(self, reader, writer) -> None:
         head = await _read_head(reader)
         headers = _headers(head)
+        if self.down_from_first_write and head.split(b" ", 1)[0] in (b"PUT", b"POST"):
+            self.down = True
         fault = self._pick()
         self.counts["requests"] += 1
         if fault:
