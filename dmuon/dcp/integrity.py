@@ -1,7 +1,7 @@
 """Integrity and safety of what a checkpoint says about itself.
 
-The checksum manifest (sizes and CRC32s of every data file, every item and ``.metadata``,
-checksummed byte for byte itself) and the allow-listed unpickling of ``.metadata``.
+The checksum manifest (the size of every data file, the CRC32 of every item, which tile their
+file end to end, and of ``.metadata``; checksummed byte for byte itself) and the allow-listed unpickling of ``.metadata``.
 """
 from __future__ import annotations
 

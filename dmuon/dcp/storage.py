@@ -86,18 +86,20 @@ STALE_AFTER_S = 3600.0  # files of a failed save older than this are collected b
 # the writer
 # ---------------------------------------------------------------------------------------------
 class _ChecksummingStream:
-    """Forwards writes, counting bytes and keeping a file CRC and a per-item CRC."""
+    """Forwards writes, counting bytes and keeping the CRC of the current item.
+
+    Items tile the file end to end, so their CRCs cover every byte: one CRC pass per byte,
+    not two (a whole-file CRC on top cost as much again, ~0.1x of a save's time here).
+    """
 
     def __init__(self, raw: BinaryIO) -> None:
         self.raw = raw
         self.pos = 0
-        self.file_crc = 0
         self.item_crc = 0
 
     def write(self, data) -> int:
         view = memoryview(data).cast("B")
         self.raw.write(view)
-        self.file_crc = zlib.crc32(view, self.file_crc)
         self.item_crc = zlib.crc32(view, self.item_crc)
         self.pos += view.nbytes
         return view.nbytes
@@ -202,7 +204,7 @@ class DMuonStorageWriter(StorageWriter):
                 items_crc[str(offset)] = [length, stream.item_crc & 0xFFFFFFFF]
                 results.append(WriteResult(index=item.index, size_in_bytes=length,
                                            storage_data=_StorageInfo(name, offset, length)))
-        stats = {"size": stream.tell(), "crc32": stream.file_crc & 0xFFFFFFFF, "items": items_crc}
+        stats = {"size": stream.tell(), "items": items_crc}
         results.append(WriteResult(index=MetadataIndex(f"{_FILE_STATS}{name}"), size_in_bytes=0,
                                    storage_data={"file": name, **stats}))
         return results
@@ -386,22 +388,60 @@ class CheckpointListing:
             return [f"{self.store.url}: no checksum manifest; nothing to verify against"]
         problems = []
         for name, stats in sorted(self.manifest["files"].items()):
-            size, crc = 0, 0
             try:
                 with self.store.open_read(checked_name(name)) as stream:
-                    while chunk := stream.read(8 << 20):
-                        crc = zlib.crc32(chunk, crc)
-                        size += len(chunk)
-                        if progress is not None:
-                            progress(len(chunk))
+                    problem = _verify_stream(stream, stats, progress)
             except FileNotFoundError:
-                problems.append(f"{name}: missing")
-                continue
-            if size != stats["size"]:
-                problems.append(f"{name}: {size} bytes, the manifest says {stats['size']} (truncated or extended)")
-            elif (crc & 0xFFFFFFFF) != stats["crc32"]:
-                problems.append(f"{name}: checksum mismatch (corrupted)")
+                problem = "missing"
+            if problem:
+                problems.append(f"{name}: {problem}")
         return problems
+
+
+def _verify_stream(stream: BinaryIO, stats: dict, progress=None) -> str | None:
+    """Read a data file once, checking its size and the CRC of every item (they tile the file).
+
+    Manifests written before items alone covered the file also carry a whole-file ``crc32``;
+    it is checked when present.
+    """
+    items = sorted((int(offset), length, crc) for offset, (length, crc) in stats["items"].items())
+    end = 0
+    for offset, length, _ in items:
+        if offset != end:
+            return f"manifest items leave bytes {end}..{offset} uncovered"
+        end = offset + length
+    if end != stats["size"]:
+        return f"manifest items cover {end} bytes of {stats['size']}"
+    pending = iter(items)
+    current = next(pending, None)
+    pos = crc = whole = size = 0
+    bad_offsets = []
+    while chunk := stream.read(8 << 20):
+        view = memoryview(chunk)
+        size += len(view)
+        if "crc32" in stats:
+            whole = zlib.crc32(view, whole)
+        i = 0
+        while current is not None:
+            offset, length, expected = current
+            take = min(len(view) - i, offset + length - pos)
+            crc = zlib.crc32(view[i:i + take], crc)
+            i += take
+            pos += take
+            if pos < offset + length:
+                break  # the item continues in the next chunk
+            if crc & 0xFFFFFFFF != expected:
+                bad_offsets.append(offset)
+            crc = 0
+            current = next(pending, None)
+        if progress is not None:
+            progress(len(view))
+    if size != stats["size"]:
+        return f"{size} bytes, the manifest says {stats['size']} (truncated or extended)"
+    if bad_offsets or ("crc32" in stats and whole & 0xFFFFFFFF != stats["crc32"]):
+        where = f" in the item(s) at byte {', '.join(map(str, bad_offsets[:5]))}" if bad_offsets else ""
+        return f"checksum mismatch (corrupted){where}"
+    return None
 
 
 def _problem_free_storage(listing_files: dict[str, int], metadata: Metadata, manifest: dict | None, where: str):

@@ -7,6 +7,7 @@ import os
 import random
 import shutil
 
+import pytest
 import torch
 
 import dmuon
@@ -91,3 +92,40 @@ def test_every_flip_and_truncation_is_detected_and_named(tmp_path, reliability_r
     assert counts["verify_detected"] == counts["trials"], res["misses"]
     assert counts["load_detected"] == counts["trials"], res["misses"]
     assert counts["named_file"] == counts["trials"], res["misses"]
+
+
+def _edit_manifest(path, edit):
+    """Change the manifest's file entries and re-sign it, as a forger (or an older dmuon) would."""
+    from dmuon.dcp.integrity import decode_manifest, encode_manifest
+
+    name = next(f for f in os.listdir(path) if f.startswith(".dmuon-manifest-"))
+    body = decode_manifest(name, (path / name).read_bytes())
+    edit(body["files"])
+    (path / name).write_bytes(encode_manifest(body["save_id"], body["files"], (path / ".metadata").read_bytes()))
+
+
+def test_verify_checks_whole_file_crcs_of_older_manifests_and_item_coverage(tmp_path):
+    import zlib
+
+    path = tmp_path / "ckpt"
+    run_ranks(save_worker, 2, str(path))
+    assert open_checkpoint(str(path)).verify_files() == []
+
+    def whole_file_crcs(files, wrong_for=None):
+        for name, stats in files.items():
+            stats["crc32"] = zlib.crc32((path / name).read_bytes()) ^ (1 if name == wrong_for else 0)
+
+    _edit_manifest(path, whole_file_crcs)  # the earlier format: right values verify clean
+    assert open_checkpoint(str(path)).verify_files() == []
+    victim = sorted(n for n in os.listdir(path) if n.endswith(".distcp"))[0]
+    _edit_manifest(path, lambda files: whole_file_crcs(files, wrong_for=victim))
+    problems = open_checkpoint(str(path)).verify_files()
+    assert len(problems) == 1 and problems[0].startswith(f"{victim}: checksum mismatch"), problems
+
+    def drop_an_item(files):
+        items = files[victim]["items"]
+        del items[sorted(items, key=int)[1]]
+
+    _edit_manifest(path, drop_an_item)  # bytes no CRC covers are refused, not skipped
+    with pytest.raises(ddcp.CheckpointCorruptError, match=f"in {victim} does not match the manifest"):
+        open_checkpoint(str(path)).verify_files()
