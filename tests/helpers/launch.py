@@ -6,6 +6,7 @@ the others (they are usually blocked in a collective) and raises with every trac
 """
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing as mp
 import os
 import socket
@@ -44,6 +45,9 @@ def _rank_main(fn, rank, world_size, port, args, kwargs, out_dir, env):
         LOCAL_RANK=str(rank),
     )
     torch.set_num_threads(1)
+    # A native crash (abort, segfault) leaves no Python traceback: have one written per rank.
+    fault_log = open(Path(out_dir, f"rank{rank}.fault"), "w")
+    faulthandler.enable(fault_log, all_threads=True)
     code = 0
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=120))
@@ -95,6 +99,10 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 90.0, env: dict | Non
             for rank in range(world_size)
             if Path(out_dir, f"rank{rank}.err").exists()
         }
+        for rank in range(world_size):
+            crash = Path(out_dir, f"rank{rank}.fault")
+            if crash.exists() and crash.stat().st_size:
+                errors[rank] = errors.get(rank, "") + f"native crash (exit code {procs[rank].exitcode}):\n{crash.read_text()}"
         if errors:
             detail = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items()))
             raise RankFailed(f"{len(errors)} rank(s) failed:\n{detail}")
