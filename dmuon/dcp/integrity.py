@@ -1,7 +1,8 @@
 """Integrity and safety of what a checkpoint says about itself.
 
 The checksum manifest (the size of every data file, the CRC32 of every item, which tile their
-file end to end, and of ``.metadata``; checksummed byte for byte itself) and the allow-listed unpickling of ``.metadata``.
+file end to end, and of ``.metadata``; checksummed byte for byte itself) and the allow-listed
+unpickling of ``.metadata``.
 """
 from __future__ import annotations
 

@@ -304,24 +304,29 @@ def _is_precondition_failure(exc: BaseException) -> bool:
     chains (Ceph RGW answers that way; SeaweedFS's message happens to name it). Look at the
     whole chain, at status codes as well as text.
     """
-    seen = 0
-    while exc is not None and seen < 8:
-        if isinstance(exc, OSError) and exc.errno == errno.EEXIST:
+    for link in _exception_chain(exc):
+        if isinstance(link, OSError) and link.errno == errno.EEXIST:
             return True
-        text = str(exc).lower()
+        text = str(link).lower()
         if "pre-condition" in text or "precondition" in text:
             return True
-        response = getattr(exc, "response", None)
+        response = getattr(link, "response", None)
         if isinstance(response, dict):
             error = response.get("Error") or {}
             status = (response.get("ResponseMetadata") or {}).get("HTTPStatusCode")
             if error.get("Code") in ("PreconditionFailed", "412") or status == 412:
                 return True
-        if getattr(exc, "code", None) == 412 or getattr(exc, "status", None) == 412:
+        if getattr(link, "code", None) == 412 or getattr(link, "status", None) == 412:
             return True
-        exc = exc.__cause__ or exc.__context__
-        seen += 1
     return False
+
+
+def _exception_chain(exc: BaseException | None, limit: int = 8) -> Iterator[BaseException]:
+    """``exc`` and what it wraps, nearest first: clients put the telling error underneath."""
+    while exc is not None and limit > 0:
+        yield exc
+        exc = exc.__cause__ or exc.__context__
+        limit -= 1
 
 
 def remove_checkpoint(store: "Store") -> None:
@@ -375,13 +380,7 @@ def _endpoint_unreachable(exc: BaseException | None) -> bool:
 
     Matched by class names along the MRO so neither botocore nor aiohttp has to be imported.
     """
-    for _ in range(8):
-        if exc is None:
-            return False
-        if {cls.__name__ for cls in type(exc).__mro__} & _CONNECTION_ERRORS:
-            return True
-        exc = exc.__cause__ or exc.__context__
-    return False
+    return any({cls.__name__ for cls in type(link).__mro__} & _CONNECTION_ERRORS for link in _exception_chain(exc))
 
 
 def retrying(store: "Store", what: str, fn, *, writing: bool = False):

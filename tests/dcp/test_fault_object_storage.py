@@ -13,7 +13,7 @@ import pytest
 import dmuon
 import dmuon.dcp as ddcp
 from tests.helpers.fault_proxy import FaultProxy
-from tests.helpers.launch import RankFailed, run_ranks
+from tests.helpers.launch import run_ranks
 from tests.helpers.setup import max_abs_diff
 from tests.helpers.training import build, train
 
