@@ -20,6 +20,18 @@ from .launch import free_port
 BUCKET = "dmuon-test"
 
 
+def _terminate(proc: subprocess.Popen, grace: float) -> None:
+    """SIGTERM the process group started for ``proc``; SIGKILL it if ``grace`` runs out."""
+    if proc.poll() is not None:
+        return
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(grace)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+
+
 class _Server:
     proc: subprocess.Popen | None = None
     log_path: Path
@@ -44,13 +56,8 @@ class _Server:
         raise RuntimeError(f"{what} not ready after {timeout:.0f}s: {last}")
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
+        if self.proc is not None:
+            _terminate(self.proc, grace=10)
         self.proc = None
 
     def url(self, name: str = "") -> str:
@@ -123,7 +130,7 @@ class FakeGCS(_Server):
         assert fs.cat_file(f"{BUCKET}/.ready") == b"ok"
 
 
-class CephRGW:
+class CephRGW(_Server):
     """Ceph RADOS Gateway (Debian's radosgw) on a one-node cluster: one monitor, one memstore OSD.
 
     The most realistic S3 available here: the same gateway code that serves production Ceph
@@ -203,20 +210,11 @@ class CephRGW:
 
     def stop(self) -> None:
         for proc in reversed(self.procs):  # gateway first, monitor last
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
-                try:
-                    proc.wait(15)
-                except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait(10)
+            _terminate(proc, grace=15)
         self.procs = []
         for log in self.logs:
             log.close()
         self.logs = []
-
-    def url(self, name: str = "") -> str:
-        return f"{self.scheme}://{BUCKET}/{name or uuid.uuid4().hex[:12]}"
 
 
 def _ceph_conf(root: Path, fsid: str, mon_port: int, rgw_port: int) -> str:
