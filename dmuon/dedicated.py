@@ -14,10 +14,19 @@ autograd all see one leaf per dedicated parameter. Its ``.data`` is swapped:
 
 After ``optimizer.step()`` the global owner broadcasts its new master to the other replicas of
 its shard column; :meth:`DedicatedParam.wait_replicate` drains that.
+
+``model.state_dict()`` shows each dedicated weight as its full master on the ranks that hold
+it and leaves it out everywhere else (hooks on the root module), so that torch's DCP, with any
+planner, writes it whole from a rank that has it: a 0-element placeholder under the same key
+could otherwise win DCP's de-duplication and replace the weight with nothing.
+``model.load_state_dict`` accepts exactly that, and also a full single-process state dict.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import math
+import threading
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -28,27 +37,11 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils._pytree import tree_flatten
 
-from . import fsdp_patch
+from . import compat, fsdp_patch
 from .ownership import assign_owners
-from .topology import Topology, resolve_topology
+from .topology import Topology, current_rank, resolve_topology
 
 REGISTRY_ATTR = "_dmuon_registry"
-
-# storage of each live placeholder -> its record, so a plain model.state_dict() entry (a detached
-# view of the placeholder) can be traced back to the dedicated parameter it stands for.
-_PLACEHOLDERS: dict[int, weakref.ref] = {}
-
-
-def _storage_key(tensor: torch.Tensor) -> int:
-    return tensor.untyped_storage()._cdata
-
-
-def placeholder_record(tensor: torch.Tensor) -> "DedicatedParam | None":
-    ref = _PLACEHOLDERS.get(_storage_key(tensor))
-    rec = ref() if ref is not None else None
-    if rec is not None and _storage_key(rec._placeholder) == _storage_key(tensor):
-        return rec
-    return None
 
 
 class DedicatedParam:
@@ -78,8 +71,6 @@ class DedicatedParam:
             value = param.detach().to(device=topo.device, dtype=self.master_dtype, copy=True)
             self.master = nn.Parameter(value, requires_grad=param.requires_grad)
         self._placeholder = torch.empty(0, dtype=compute_dtype, device=topo.device)
-        key = _storage_key(self._placeholder)
-        _PLACEHOLDERS[key] = weakref.ref(self, lambda _ref, key=key: _PLACEHOLDERS.pop(key, None))
         self._unsharded = False
         self._replicate_work: dist.Work | None = None
         param.data = self._placeholder
@@ -152,7 +143,7 @@ class DedicatedParam:
             work.wait()
 
 
-@dataclass
+@dataclass(eq=False)
 class DedicatedRegistry:
     """Everything dmuon attached to one model; lives on the root module."""
 
@@ -160,6 +151,9 @@ class DedicatedRegistry:
     reshard_after_forward: bool
     records: dict[str, DedicatedParam] = field(default_factory=dict)
     handles: list = field(default_factory=list)
+    # per thread: > 0 while :func:`raw_state_dict` wants torch's own state dict (placeholders)
+    _raw: threading.local = field(default_factory=threading.local)
+    _aliases: dict | None = None
 
     def __iter__(self) -> Iterator[DedicatedParam]:
         return iter(self.records.values())
@@ -168,7 +162,10 @@ class DedicatedRegistry:
         return {fqn: rec.owner for fqn, rec in self.records.items()}
 
     def by_alias(self) -> dict[str, DedicatedParam]:
-        return {alias: rec for rec in self for alias in rec.aliases}
+        """Every name of every dedicated parameter (tied aliases included) -> its record."""
+        if self._aliases is None:
+            self._aliases = {alias: rec for rec in self for alias in rec.aliases}
+        return self._aliases
 
     def wait_all(self) -> None:
         for rec in self:
@@ -177,6 +174,21 @@ class DedicatedRegistry:
     def reshard_all(self) -> None:
         for rec in self:
             rec.reshard()
+
+    @property
+    def raw(self) -> bool:
+        return getattr(self._raw, "depth", 0) > 0
+
+
+# Every model dedicate_params set up that is still alive (weak: a model that is deleted drops
+# out). DCP planners see only state dicts, not models: this is how they learn which keys are
+# dedicated weights, to refuse a 0-element copy of one. Read it with :func:`live_registries`.
+_LIVE_REGISTRIES: "weakref.WeakSet[DedicatedRegistry]" = weakref.WeakSet()
+
+
+def live_registries() -> list[DedicatedRegistry]:
+    """The registries of all live models with dedicated parameters in this process."""
+    return list(_LIVE_REGISTRIES)
 
 
 def get_registry(model: nn.Module) -> DedicatedRegistry | None:
@@ -299,7 +311,9 @@ def dedicate_params(
                 by_module.setdefault(module, []).append(rec)
     for module, recs in by_module.items():
         _install_module_hooks(module, recs, registry)
+    _install_state_dict_hooks(model, registry)
     setattr(model, REGISTRY_ATTR, registry)
+    _LIVE_REGISTRIES.add(registry)
     return owners
 
 
@@ -307,3 +321,164 @@ def _sync_replicas_at_start(registry: DedicatedRegistry) -> None:
     """Every replica starts from the global owner's initial values, whatever each rank's seed."""
     for rec in registry:
         rec.publish_to_replicas(async_op=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# Moving a tensor only the global owner has
+# ---------------------------------------------------------------------------------------------
+def from_global_owner(
+    rec: DedicatedParam, value: torch.Tensor | None, rank0_only: bool,
+    shape: tuple[int, ...] | None = None, dtype: torch.dtype | None = None,
+) -> torch.Tensor | None:
+    """Collective: ``value`` (given on the global owner) to global rank 0, or to every rank.
+
+    ``shape`` / ``dtype`` default to the master's; optimizer step counters pass ``()``.
+    """
+    shape = tuple(rec.shape) if shape is None else shape
+    dtype = rec.master_dtype if dtype is None else dtype
+    src = rec.topo.global_rank(rec.owner)
+    me = current_rank()
+    if me == src:
+        value = value.to(rec.topo.device)  # a CPU step counter must travel on the device
+    if rank0_only:
+        if me == src:
+            if me != 0:
+                dist.send(value.contiguous(), dst=0)
+            return value if me == 0 else None
+        if me == 0:
+            buf = torch.empty(shape, dtype=dtype, device=rec.topo.device)
+            dist.recv(buf, src=src)
+            return buf
+        return None
+    buf = value if me == src else torch.empty(shape, dtype=dtype, device=rec.topo.device)
+    dist.broadcast(buf, src=src)
+    return buf
+
+
+# ---------------------------------------------------------------------------------------------
+# model.state_dict() / model.load_state_dict()
+# ---------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def _raw_mode(registry: DedicatedRegistry | None) -> Iterator[None]:
+    if registry is None:
+        yield
+        return
+    registry._raw.depth = getattr(registry._raw, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        registry._raw.depth -= 1
+
+
+def raw_state_dict(model: nn.Module, *, keep_vars: bool = True) -> dict:
+    """torch's own ``model.state_dict()``: dedicated entries are their 0-element placeholders.
+
+    Same keys in the same order on every rank, which code that runs one collective per key
+    needs; never hand this to DCP.
+    """
+    with _raw_mode(get_registry(model)):
+        return model.state_dict(keep_vars=keep_vars)
+
+
+def dedicated_value_problem(shape: tuple[int, ...], value) -> str | None:
+    """Why ``value`` cannot stand for a dedicated tensor of ``shape`` in a state dict, or None."""
+    shape = tuple(shape)
+    if isinstance(value, torch.distributed.tensor.DTensor):
+        return (f"a DTensor, but it is a dmuon dedicated tensor (one owner rank holds it whole); "
+                f"pass a plain tensor of shape {shape}")
+    if not isinstance(value, torch.Tensor):
+        return f"a {type(value).__name__}, not a tensor of shape {shape}"
+    if tuple(value.shape) == shape:
+        return None
+    if value.numel() == 0 and math.prod(shape) != 0:
+        return (f"an empty tensor of shape {tuple(value.shape)} where the dmuon dedicated tensor has "
+                f"shape {shape}: a copy of a rank's placeholder, not the weight. Take the state "
+                "dict from model.state_dict() (it holds the full weight on the ranks that own it), "
+                "dmuon.get_model_state_dict(model) or dmuon.dcp.AppState(model, optimizer)")
+    return f"shape {tuple(value.shape)}, but the dmuon dedicated tensor has shape {shape}"
+
+
+def find_dedicated(key: str) -> tuple[DedicatedParam, str | None] | None:
+    """The dedicated parameter a flattened state-dict key stands for, in any live model.
+
+    ``(rec, None)`` for the weight itself (``<prefix>.<fqn>``), ``(rec, name)`` for optimizer
+    state (``<prefix>.state.<fqn>.<name>``). Matched on the key's dotted suffix.
+    """
+    parts = key.split(".")
+    for registry in _LIVE_REGISTRIES:
+        aliases = registry.by_alias()
+        for start in range(len(parts)):
+            rec = aliases.get(".".join(parts[start:]))
+            if rec is not None:
+                return rec, None
+            if start > 0 and parts[start - 1] == "state" and len(parts) - start >= 2:
+                rec = aliases.get(".".join(parts[start:-1]))
+                if rec is not None:
+                    return rec, parts[-1]
+    return None
+
+
+def _install_state_dict_hooks(model: nn.Module, registry: DedicatedRegistry) -> None:
+    """Hooks on the root module that make ``state_dict``/``load_state_dict`` dedicated-aware.
+
+    state_dict: each dedicated entry becomes the master on ranks that hold it (every rank of
+    the owner's shard column) and is removed elsewhere. Under torch's ``get_model_state_dict(
+    full_state_dict=True)`` it is instead sent from its owner to the ranks torch returns to.
+
+    load_state_dict: a dedicated entry is validated on every rank and copied into the master
+    where it is held; on other ranks its absence is not an error (state_dict never gave it).
+    """
+    def on_state_dict(module, state_dict, prefix, local_metadata) -> None:
+        if registry.raw:
+            return
+        request = compat.state_dict_request("model")
+        full = request is not None and request.full_state_dict
+        for rec in registry:
+            keys = [prefix + alias for alias in rec.aliases if prefix + alias in state_dict]
+            if not keys:
+                continue
+            rec.wait_replicate()
+            keep_vars = isinstance(state_dict[keys[0]], nn.Parameter)
+            if full:
+                master = rec.master.detach() if rec.is_global_owner else None
+                value = from_global_owner(rec, master, rank0_only=request.cpu_offload)
+            elif rec.holds_master:
+                value = rec.master if keep_vars else rec.master.detach()
+            else:
+                value = None
+            for key in keys:
+                if value is None:
+                    del state_dict[key]
+                else:
+                    state_dict[key] = value
+
+    excused: set[str] = set()
+
+    def on_load(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                error_msgs) -> None:
+        excused.clear()
+        for rec in registry:
+            rec.wait_replicate()
+            for alias in rec.aliases:
+                key = prefix + alias
+                if key not in state_dict:
+                    if not rec.holds_master:
+                        excused.add(key)  # this rank's state_dict() never had it
+                    continue
+                value = state_dict.pop(key)
+                excused.add(key)
+                problem = dedicated_value_problem(rec.shape, value)
+                if problem is not None:
+                    error_msgs.append(f"size mismatch for {key}: the state dict holds {problem}.")
+                elif rec.holds_master:
+                    with torch.no_grad():
+                        rec.master.copy_(value.detach())
+            rec.reshard()  # a full copy from before the load is stale
+
+    def after_load(module, incompatible_keys) -> None:
+        incompatible_keys.missing_keys[:] = [k for k in incompatible_keys.missing_keys if k not in excused]
+        excused.clear()
+
+    registry.handles.append(model.register_state_dict_post_hook(on_state_dict))
+    registry.handles.append(model.register_load_state_dict_pre_hook(on_load))
+    registry.handles.append(model.register_load_state_dict_post_hook(after_load))

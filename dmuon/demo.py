@@ -167,6 +167,11 @@ def run(rank: int, world_size: int, port: int, phase: str, args: argparse.Namesp
         PHASES[phase](rank, world_size, args, out_dir)
     finally:
         dist.destroy_process_group()
+    # The work is done and saved. Skip the interpreter's teardown: now and then a C++ thread
+    # of the process group is still joinable there and aborts (SIGABRT) a finished rank.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def free_port() -> int:

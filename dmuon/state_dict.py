@@ -16,8 +16,16 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from .dedicated import DedicatedParam, DedicatedRegistry, get_registry
-from .optim.muon import ADAMW_GROUP, MUON_GROUP, Muon
+from .dedicated import DedicatedParam, DedicatedRegistry, from_global_owner, get_registry, raw_state_dict
+from .optim.muon import (
+    ADAMW_GROUP,
+    MUON_GROUP,
+    SCALAR_DTYPE,
+    STATE_FIELDS,
+    Muon,
+    apply_hyperparameters,
+    state_field_shape,
+)
 from .topology import current_rank as _rank
 
 
@@ -68,35 +76,6 @@ def _full_tensor(tensor: torch.Tensor, rank0_only: bool) -> torch.Tensor | None:
     return tensor if (not rank0_only or _rank() == 0) else None
 
 
-def _from_global_owner(
-    rec: DedicatedParam, value: torch.Tensor | None, rank0_only: bool,
-    shape: tuple[int, ...] | None = None, dtype: torch.dtype | None = None,
-) -> torch.Tensor | None:
-    """Move a tensor that only the global owner has (``value``) to rank 0 or to every rank.
-
-    ``shape`` / ``dtype`` default to the parameter's; optimizer step counters pass ``()``.
-    """
-    shape = tuple(rec.shape) if shape is None else shape
-    dtype = rec.master_dtype if dtype is None else dtype
-    src = rec.topo.global_rank(rec.owner)
-    me = _rank()
-    if me == src:
-        value = value.to(rec.topo.device)  # a CPU step counter must travel on the device
-    if rank0_only:
-        if me == src:
-            if me != 0:
-                dist.send(value.contiguous(), dst=0)
-            return value if me == 0 else None
-        if me == 0:
-            buf = torch.empty(shape, dtype=dtype, device=rec.topo.device)
-            dist.recv(buf, src=src)
-            return buf
-        return None
-    buf = value if me == src else torch.empty(shape, dtype=dtype, device=rec.topo.device)
-    dist.broadcast(buf, src=src)
-    return buf
-
-
 def _finish(tensor: torch.Tensor | None, cpu_offload: bool) -> torch.Tensor | None:
     if tensor is None:
         return None
@@ -124,11 +103,11 @@ def get_model_state_dict(
     registry = _registry(model)
     dedicated = registry.by_alias() if registry is not None else {}
     out: dict[str, torch.Tensor] = {}
-    for key, value in model.state_dict(keep_vars=True).items():
+    for key, value in raw_state_dict(model).items():
         rec = dedicated.get(key)
         if rec is not None:
             master = rec.master.detach() if rec.is_global_owner else None
-            full = _from_global_owner(rec, master, rank0_only)
+            full = from_global_owner(rec, master, rank0_only)
         else:
             full = _full_tensor(value.detach() if isinstance(value, torch.Tensor) else value, rank0_only)
         full = _finish(full, cpu_offload)
@@ -143,7 +122,7 @@ def expected_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
     dedicated = registry.by_alias() if registry is not None else {}
     return {
         key: tuple(dedicated[key].shape if key in dedicated else value.shape)
-        for key, value in model.state_dict(keep_vars=True).items()
+        for key, value in raw_state_dict(model).items()
     }
 
 
@@ -199,7 +178,7 @@ def write_full_state(model: nn.Module, keys: Iterable[str], fetch: Fetch) -> Non
     dedicated = registry.by_alias() if registry is not None else {}
     wanted = set(keys)
     with torch.no_grad():
-        for key, target in model.state_dict(keep_vars=True).items():
+        for key, target in raw_state_dict(model).items():
             if key not in wanted:
                 continue
             rec = dedicated.get(key)
@@ -266,8 +245,9 @@ def _adamw_fsdp_params(optimizer: Muon) -> Iterator[tuple[str, torch.Tensor]]:
             yield optimizer.fqn_of[id(param)], param
 
 
-def _state_keys(rec: DedicatedParam) -> tuple[str, ...]:
-    return ("momentum_buffer",) if rec.uses_muon else ("step", "exp_avg", "exp_avg_sq")
+def state_fields(rec: DedicatedParam) -> dict[str, str]:
+    """The optimizer state a dedicated parameter has on its global owner: name -> kind."""
+    return STATE_FIELDS[MUON_GROUP if rec.uses_muon else ADAMW_GROUP]
 
 
 def hyperparameters(optimizer: Muon) -> list[dict[str, Any]]:
@@ -279,7 +259,7 @@ def restore_hyperparameters(optimizer: Muon, groups: Mapping[str, Mapping[str, A
     for group in optimizer.param_groups:
         saved = groups.get(group["name"])
         if saved:
-            group.update({k: v for k, v in saved.items() if k != "params"})
+            apply_hyperparameters(group, saved)
 
 
 def get_optimizer_state_dict(
@@ -303,12 +283,10 @@ def get_optimizer_state_dict(
         if not rec.trainable:
             continue
         entry = {}
-        for name in _state_keys(rec):
-            mine = optimizer.state[rec.master][name] if rec.is_global_owner else None
-            if name == "step":
-                full = _from_global_owner(rec, mine, rank0_only, shape=(), dtype=torch.float32)
-            else:
-                full = _from_global_owner(rec, mine, rank0_only)
+        for name, kind in state_fields(rec).items():
+            mine = optimizer.state[rec.param][name] if rec.is_global_owner else None
+            dtype = SCALAR_DTYPE if kind == "scalar" else rec.master_dtype
+            full = from_global_owner(rec, mine, rank0_only, shape=state_field_shape(kind, rec.shape), dtype=dtype)
             full = _finish(full, cpu_offload)
             if full is not None:
                 entry[name] = full
@@ -336,7 +314,7 @@ def set_optimizer_state_dict(model: nn.Module, optimizer: Muon, state_dict: Mapp
         _check_entry(problems, "fsdp2", fqn, state_dict["fsdp2"].get(fqn), shapes)
     dedicated_recs = [rec for rec in registry or () if rec.trainable]
     for rec in dedicated_recs:
-        shapes = {name: () if name == "step" else tuple(rec.shape) for name in _state_keys(rec)}
+        shapes = {name: state_field_shape(kind, rec.shape) for name, kind in state_fields(rec).items()}
         _check_entry(problems, "dedicated", rec.fqn, state_dict["dedicated"].get(rec.fqn), shapes)
     known = {fqn for fqn, _ in fsdp_params}
     problems += [f"  unexpected fsdp2 entry {k}" for k in state_dict["fsdp2"] if k not in known]
@@ -354,7 +332,7 @@ def set_optimizer_state_dict(model: nn.Module, optimizer: Muon, state_dict: Mapp
                 _copy_into(target, state_dict["fsdp2"][fqn][name])
         for rec in dedicated_recs:
             if rec.is_global_owner:
-                for name, target in optimizer.state[rec.master].items():
+                for name, target in optimizer.state[rec.param].items():
                     _copy_into(target, state_dict["dedicated"][rec.fqn][name])
     restore_hyperparameters(optimizer, groups)
 

@@ -7,13 +7,14 @@ from .errors import (
     CheckpointIncompleteError,
     CheckpointMismatchError,
     CheckpointNotFoundError,
+    SaveRefusedError,
     StorageError,
     UnsafeCheckpointError,
 )
 from .export import export
 from .manager import CheckpointManager
 from .planner import DMuonLoadPlanner, DMuonSavePlanner
-from .state import AppState, OwnedTensor
+from .state import AppState, DedicatedEntry, DedicatedLayout
 from .storage import DMuonStorageReader, DMuonStorageWriter
 
 __all__ = [
@@ -30,7 +31,9 @@ __all__ = [
     "DMuonSavePlanner",
     "DMuonStorageReader",
     "DMuonStorageWriter",
-    "OwnedTensor",
+    "DedicatedEntry",
+    "DedicatedLayout",
+    "SaveRefusedError",
     "StorageError",
     "UnsafeCheckpointError",
     "async_save",

@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 from ..optim.muon import Muon
 from .errors import CheckpointError
 from .planner import DMuonLoadPlanner, DMuonSavePlanner
-from .state import AppState, OwnedTensor, StagedShard, global_offsets
+from .state import AppState, StagedShard, global_offsets
 from .storage import DMuonStorageReader, DMuonStorageWriter, open_checkpoint
 
 log = logging.getLogger(__name__)
@@ -171,10 +171,6 @@ def _stage(value: Any, path: tuple = ()) -> Any:
         return {k: _stage(v, path + (k,)) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return type(value)(_stage(v, path + (i,)) for i, v in enumerate(value))
-    if isinstance(value, OwnedTensor):
-        local = _staged_copy(path, value.local) if value.local is not None else None
-        return OwnedTensor(value.shape, value.dtype, value.writer, local, value.owner, value.topology,
-                           value.aliases)
     if isinstance(value, DTensor):
         return StagedShard(_staged_copy(path, value.to_local()), value.shape, global_offsets(value))
     if isinstance(value, torch.Tensor):

@@ -44,3 +44,18 @@ class CheckpointMismatchError(CheckpointError, ValueError):
             f"checkpoint does not match the model/optimizer ({len(problems)} problem(s)); "
             "nothing was loaded:\n  " + "\n  ".join(problems)
         )
+
+
+class SaveRefusedError(CheckpointError, ValueError):
+    """The state dict cannot be saved as given (a dedicated tensor is missing or has the wrong
+    shape); raised while planning, so nothing was written and nothing committed."""
+
+    def __init__(self, problems: list[str] | str) -> None:
+        if isinstance(problems, str):  # re-raised with a rank prefix by the API
+            self.problems = [problems]
+            super().__init__(problems)
+            return
+        self.problems = problems
+        super().__init__(
+            f"refusing to save ({len(problems)} problem(s)); nothing was written:\n  " + "\n  ".join(problems)
+        )

@@ -1,15 +1,22 @@
-"""DCP planners that write each dedicated tensor once, from its owner, and read it where held.
+"""DCP planners that write each dedicated tensor once, whole, from a rank that holds it.
 
-``DMuonSavePlanner`` never lets a dedicated entry reach DCP's replica de-duplication (which
-keeps one of several same-key items without comparing shapes, so an empty placeholder can
-silently replace the real tensor) and checks in the global plan that each dedicated key has
-exactly one writer covering its whole extent. ``DMuonLoadPlanner`` checks every key's shape and
-dtype against the checkpoint and reports all mismatches at once, before any tensor is written;
-it reads a dedicated tensor only on ranks that hold it in the *loading* topology.
+Dedicated tensors reach the planners as plain full tensors on the ranks that hold them and
+absent elsewhere (``model.state_dict()`` and ``AppState`` both show them so), so DCP's own
+machinery plans them correctly. What dmuon's planners add:
+
+* they know which keys are dedicated -- from an ``AppState``'s :class:`DedicatedLayout`, or
+  for any other state dict from the live models' registries -- and refuse, before anything
+  is written, an entry of the wrong shape under such a key (a 0-element copy of a placeholder
+  would otherwise be saved as the weight);
+* with a layout, the global owner writes each dedicated tensor (HSDP replicas hold copies) and
+  the global plan must contain exactly one whole write of it;
+* the load planner checks every key's shape and dtype against the checkpoint on every rank and
+  reports all mismatches at once, before any tensor is written (DCP casts dtypes silently).
 """
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import io
 import logging
 from collections import ChainMap, defaultdict
@@ -46,28 +53,77 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.utils import find_state_dict_object
 
 from .. import __version__
+from ..dedicated import dedicated_value_problem, find_dedicated
+from ..optim.muon import SCALAR_DTYPE, STATE_FIELDS, state_field_shape
 from ..topology import current_rank
-from .errors import CheckpointMismatchError
-from .state import OwnedTensor, StagedShard, owned_from_placeholder, placeholder_owner
+from .errors import CheckpointMismatchError, SaveRefusedError
+from .format import FORMAT_VERSION, MODEL_PREFIX, RESERVED_KEY
+from .state import DedicatedEntry, DedicatedLayout, StagedShard
 
 log = logging.getLogger(__name__)
 
-RESERVED_KEY = "__dmuon__"
-FORMAT_VERSION = 1
 
-
-def _split_owned(flat: dict[str, Any]) -> tuple[dict[str, Any], dict[str, OwnedTensor]]:
-    """Separate dedicated entries (markers, or placeholders of a plain ``model.state_dict()``)."""
+def _take_layouts(flat: dict[str, Any]) -> tuple[dict[str, Any], DedicatedLayout]:
+    """Split the :class:`DedicatedLayout` entries off a flattened state dict: the rest, and
+    one layout with absolute keys (``None`` topology when there was none)."""
     regular: dict[str, Any] = {}
-    owned: dict[str, OwnedTensor] = {}
-    for fqn, value in flat.items():
-        if isinstance(value, OwnedTensor):
-            owned[fqn] = value
-        elif (rec := placeholder_owner(value)) is not None:
-            owned[fqn] = owned_from_placeholder(rec)
+    layout = DedicatedLayout()
+    for key, value in flat.items():
+        if isinstance(value, DedicatedLayout):
+            prefix = key[: -len(RESERVED_KEY)]
+            layout.entries.update({prefix + rel: entry for rel, entry in value.entries.items()})
+            layout.order += [prefix + rel for rel in value.order]
+            layout.topology = value.topology
         else:
-            regular[fqn] = value
-    return regular, owned
+            regular[key] = value
+    return regular, layout
+
+
+def expected_dedicated(key: str, layout: dict[str, DedicatedEntry]) -> tuple[tuple[int, ...], torch.dtype | None] | None:
+    """(shape, dtype or None) a dedicated key must have; None if ``key`` is not dedicated."""
+    entry = layout.get(key)
+    if entry is not None:
+        return entry.shape, entry.dtype
+    found = find_dedicated(key)
+    if found is None:
+        return None
+    rec, state_name = found
+    if state_name is None:
+        return tuple(rec.shape), None
+    kinds = {name: kind for fields in STATE_FIELDS.values() for name, kind in fields.items()}
+    kind = kinds.get(state_name)
+    if kind is None:
+        return None
+    return state_field_shape(kind, rec.shape), (SCALAR_DTYPE if kind == "scalar" else None)
+
+
+def merge_key_orders(orders: list[list[str]]) -> list[str]:
+    """One key order that keeps every rank's own order (each rank lacks the dedicated keys
+    held elsewhere): a topological merge, ties broken by first appearance."""
+    successors: dict[str, set[str]] = defaultdict(set)
+    indegree: dict[str, int] = defaultdict(int)
+    first_seen: dict[str, int] = {}
+    for order in orders:
+        for key in order:
+            first_seen.setdefault(key, len(first_seen))
+        for before, after in zip(order, order[1:]):
+            if after not in successors[before]:
+                successors[before].add(after)
+                indegree[after] += 1
+    ready = [(first_seen[k], k) for k in first_seen if indegree[k] == 0]
+    heapq.heapify(ready)
+    merged = []
+    while ready:
+        _, key = heapq.heappop(ready)
+        merged.append(key)
+        for after in successors.get(key, ()):
+            indegree[after] -= 1
+            if indegree[after] == 0:
+                heapq.heappush(ready, (first_seen[after], after))
+    if len(merged) != len(first_seen):  # contradictory orders: keep what is left as first seen
+        done = set(merged)
+        merged += sorted((k for k in first_seen if k not in done), key=first_seen.__getitem__)
+    return merged
 
 
 def _staged_write_item(fqn: str, shard: StagedShard) -> WriteItem:
@@ -92,28 +148,41 @@ class DMuonSavePlanner(SavePlanner):
         self.dedup_save_to_lowest_rank = dedup_save_to_lowest_rank
 
     def set_up_planner(self, state_dict, storage_meta=None, is_coordinator: bool = False) -> None:
-        flat, self.mappings = flatten_state_dict(state_dict)
-        self.state_dict, self.owned = _split_owned(flat)
+        flat, mappings = flatten_state_dict(state_dict)
+        self.state_dict, layout = _take_layouts(flat)
+        self.layout, self.topology, self.key_order = layout.entries, layout.topology, layout.order
+        self.mappings = {k: v for k, v in mappings.items() if k in self.state_dict}
         self.is_coordinator = is_coordinator
         self.rank = current_rank()
 
-    def create_local_plan(self) -> SavePlan:
-        mine: dict[str, torch.Tensor] = {}
-        for fqn, entry in self.owned.items():
-            if entry.writer != self.rank:
+    def _local_problems(self) -> list[str]:
+        """Dedicated keys holding the wrong thing, or missing on the rank that must write them."""
+        problems = []
+        for key, value in self.state_dict.items():
+            if isinstance(value, StagedShard):
                 continue
-            if entry.local is None or tuple(entry.local.shape) != tuple(entry.shape):
-                got = None if entry.local is None else tuple(entry.local.shape)
-                raise RuntimeError(
-                    f"rank {self.rank} is the writer of {fqn!r} but holds {got} instead of "
-                    f"shape {tuple(entry.shape)}"
-                )
-            mine[fqn] = entry.local
-        regular = {k: v for k, v in self.state_dict.items() if not isinstance(v, StagedShard)}
+            expected = expected_dedicated(key, self.layout)
+            if expected is None:
+                continue
+            problem = dedicated_value_problem(expected[0], value)
+            if problem is not None:
+                problems.append(f"rank {self.rank}: {key!r} is {problem}")
+        for key, entry in self.layout.items():
+            if entry.writer == self.rank and key not in self.state_dict:
+                problems.append(f"rank {self.rank} must write dedicated tensor {key!r} but its state "
+                                "dict lacks it")
+        return problems
+
+    def create_local_plan(self) -> SavePlan:
+        problems = self._local_problems()
+        if problems:
+            raise SaveRefusedError(problems)
+        regular = {k: v for k, v in self.state_dict.items()
+                   if not isinstance(v, StagedShard)
+                   and (k not in self.layout or self.layout[k].writer == self.rank)}
         plan = create_default_local_save_plan(regular, self.is_coordinator)
-        owned_plan = create_default_local_save_plan(mine, self.is_coordinator)
         staged = [_staged_write_item(fqn, v) for fqn, v in self.state_dict.items() if isinstance(v, StagedShard)]
-        plan = dataclasses.replace(plan, items=plan.items + owned_plan.items + staged, planner_data=self.mappings)
+        plan = dataclasses.replace(plan, items=plan.items + staged, planner_data=self.mappings)
         self.plan = plan
         return plan
 
@@ -123,7 +192,7 @@ class DMuonSavePlanner(SavePlanner):
         seen: dict[tuple, tuple[int, tuple]] = {}
         for rank, plan in enumerate(all_plans):
             for item in plan.items:
-                if item.index.fqn in self.owned:
+                if item.index.fqn in self.layout:
                     writers[item.index.fqn].append((rank, item))
                     continue
                 if item.tensor_data is None:
@@ -135,7 +204,7 @@ class DMuonSavePlanner(SavePlanner):
                         f"one of {sizes} at the same offset (an empty placeholder?)"
                     )
                 seen.setdefault(key, (rank, sizes))
-        for fqn, entry in self.owned.items():
+        for fqn, entry in self.layout.items():
             got = writers.get(fqn, [])
             ranks = [rank for rank, _ in got]
             if len(got) != 1:
@@ -149,27 +218,30 @@ class DMuonSavePlanner(SavePlanner):
                     f"expected rank {entry.writer} to write the whole {tuple(entry.shape)}"
                 )
         if problems:
-            raise RuntimeError("DMuonSavePlanner: invalid global plan:\n  " + "\n  ".join(problems))
+            raise SaveRefusedError(["invalid global save plan:"] + problems)
 
     def describe(self) -> dict[str, Any]:
-        topology = next(iter(self.owned.values())).topology if self.owned else None
+        topology = self.topology if self.layout else None
         return {
             "format": FORMAT_VERSION,
             "dmuon_version": __version__,
             "torch_version": str(torch.__version__),
             "world_size": torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1,
             "topology": {"replicate": topology[0], "shard": topology[1]} if topology else None,
-            "owners": {fqn: list(e.owner) for fqn, e in self.owned.items() if fqn.startswith("model.")},
-            "writers": {fqn: e.writer for fqn, e in self.owned.items()},
-            "aliases": {alias: fqn[len("model."):] for fqn, e in self.owned.items()
-                        if fqn.startswith("model.") for alias in e.aliases},
+            "owners": {fqn: list(e.owner) for fqn, e in self.layout.items() if fqn.startswith(MODEL_PREFIX)},
+            "writers": {fqn: e.writer for fqn, e in self.layout.items()},
+            "aliases": {alias: fqn[len(MODEL_PREFIX):] for fqn, e in self.layout.items()
+                        if fqn.startswith(MODEL_PREFIX) for alias in e.aliases},
         }
 
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
         self._check(all_plans)
         deduped = dedup_save_plans(all_plans, self.dedup_save_to_lowest_rank)
         global_plan, metadata = create_default_global_save_plan(deduped)
-        planner_data = dict(ChainMap(*[p.planner_data for p in global_plan if p.planner_data]))
+        mappings = [p.planner_data for p in global_plan if p.planner_data]
+        lookup = ChainMap(*mappings)
+        order = merge_key_orders([self.key_order] + [list(m) for m in mappings])
+        planner_data = {key: lookup[key] for key in order if key in lookup}
         planner_data[RESERVED_KEY] = self.describe()
         metadata = dataclasses.replace(metadata, planner_data=planner_data)
         self.global_plan, self.metadata = global_plan, metadata
@@ -180,10 +252,7 @@ class DMuonSavePlanner(SavePlanner):
         return new_plan
 
     def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
-        fqn = write_item.index.fqn
-        if fqn in self.owned:
-            return self.owned[fqn].local.detach()
-        obj = self.state_dict.get(fqn)
+        obj = self.state_dict.get(write_item.index.fqn)
         if isinstance(obj, StagedShard):
             return obj.local
         obj = find_state_dict_object(self.state_dict, write_item.index)
@@ -208,25 +277,30 @@ class DMuonLoadPlanner(LoadPlanner):
     def set_up_planner(self, state_dict, metadata: Metadata | None = None, is_coordinator: bool = False) -> None:
         self.original_state_dict = state_dict
         flat, self.mappings = flatten_state_dict(state_dict)
-        regular, owned = _split_owned(flat)
+        regular, layout_ = _take_layouts(flat)
+        layout = layout_.entries
         self.metadata = metadata
         self.is_coordinator = is_coordinator
         # What every key should look like (for validation on every rank), and what this rank reads.
         self.expected: dict[str, tuple[tuple, torch.dtype] | None] = {}
         self.state_dict: dict[str, Any] = {}
+        self.refused: dict[str, str] = {}
         for fqn, value in regular.items():
-            if isinstance(value, torch.Tensor):
+            dedicated = expected_dedicated(fqn, layout)
+            problem = dedicated_value_problem(dedicated[0], value) if dedicated is not None else None
+            if problem is not None:
+                self.refused[fqn] = f"{fqn}: the state dict being loaded into holds {problem}"
+            elif isinstance(value, torch.Tensor):
                 self.expected[fqn] = (tuple(value.shape), value.dtype)
             else:
                 self.expected[fqn] = None
             self.state_dict[fqn] = value
-        for fqn, entry in owned.items():
+        for fqn, entry in layout.items():
+            # held here or not, every rank checks it: all ranks then report the same problems
             self.expected[fqn] = (tuple(entry.shape), entry.dtype)
-            if entry.local is not None:
-                self.state_dict[fqn] = entry.local
 
     def _problems(self) -> dict[str, str]:
-        problems: dict[str, str] = {}
+        problems: dict[str, str] = dict(self.refused)
         stored = self.metadata.state_dict_metadata
         for fqn, want in self.expected.items():
             md = stored.get(fqn)
@@ -241,15 +315,26 @@ class DMuonLoadPlanner(LoadPlanner):
                 shape, dtype = want
                 if tuple(md.size) != shape:
                     problems[fqn] = f"{fqn}: shape {tuple(md.size)} in the checkpoint, {shape} in the model"
+                    if md.size.numel() == 0 and expected_dedicated(fqn, {}) is not None:
+                        problems[fqn] += (
+                            " (the checkpoint holds an empty tensor for a dmuon dedicated weight: the "
+                            "save that wrote it lost the weight, so this checkpoint cannot restore it)")
                 elif md.properties.dtype != dtype:
                     problems[fqn] = (
                         f"{fqn}: dtype {_describe_dtype(md.properties.dtype)} in the checkpoint, "
                         f"{_describe_dtype(dtype)} in the model"
                     )
         sections = self._checked_sections()
-        for fqn in stored:
-            if fqn not in self.expected and fqn.startswith(sections):
+        for fqn, md in stored.items():
+            if fqn in self.expected or not fqn.startswith(sections):
+                continue
+            dedicated = expected_dedicated(fqn, {})
+            if dedicated is None:
                 problems[fqn] = f"{fqn}: in the checkpoint but not in the model/optimizer being loaded"
+            elif isinstance(md, TensorStorageMetadata) and tuple(md.size) != dedicated[0]:
+                # held by another rank here; every rank reports it all the same
+                problems[fqn] = (f"{fqn}: shape {tuple(md.size)} in the checkpoint, {dedicated[0]} in the "
+                                 "model (a dmuon dedicated weight held by another rank)")
         return problems
 
     def _checked_sections(self) -> tuple[str, ...]:
@@ -299,4 +384,4 @@ class DMuonLoadPlanner(LoadPlanner):
         pass
 
 
-__all__ = ["CheckpointMismatchError", "DMuonLoadPlanner", "DMuonSavePlanner", "RESERVED_KEY"]
+__all__ = ["DMuonLoadPlanner", "DMuonSavePlanner"]

@@ -1,94 +1,102 @@
 """What a dmuon checkpoint contains, as a DCP state dict, without communication or copies.
 
-Layout (after DCP flattening): ``model.<fqn>``, ``optim.state.<fqn>.<name>``,
+Layout (after DCP flattening, see ``format.py``): ``model.<fqn>``, ``optim.state.<fqn>.<name>``,
 ``optim.param_groups.<group>.<hyper-parameter>``, ``extra.*``. FSDP2 parameters and their Adam
-moments appear as DTensors; dedicated tensors as :class:`OwnedTensor` markers that the dmuon
-planners turn into one write by one rank and reads only where the tensor is held.
+moments appear as DTensors. A dedicated tensor appears as a plain full tensor on the ranks
+that hold it (its weight on every rank of the owner's shard column, its optimizer state on the
+global owner) and nowhere else, exactly as ``model.state_dict()`` shows it: any DCP planner
+then writes it whole. Next to the sections, under ``format.RESERVED_KEY``, a
+:class:`DedicatedLayout` tells dmuon's planners on *every* rank which keys are dedicated, their
+shapes and dtypes, and which rank writes each.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
-from ..dedicated import DedicatedParam, get_registry, placeholder_record
-from ..optim.muon import Muon
-from ..state_dict import hyperparameters, restore_hyperparameters
+from ..dedicated import DedicatedParam, get_registry, raw_state_dict
+from ..optim.muon import ADAMW_GROUP, SCALAR_DTYPE, Muon, state_field_shape
+from ..state_dict import hyperparameters, restore_hyperparameters, state_fields
+from .format import EXTRA_SECTION, MODEL_SECTION, OPTIM_SECTION, RESERVED_KEY
+
+
+@dataclass(frozen=True)
+class DedicatedEntry:
+    """One dedicated tensor of a state dict: what every rank should expect under its key."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    writer: int                       # global rank that saves it (the global owner)
+    owner: tuple[int, int]            # (replicate, shard) slot
+    aliases: tuple[str, ...] = ()     # other names of a tied parameter (saved once)
 
 
 @dataclass
-class OwnedTensor:
-    """A whole tensor that one rank writes and only some ranks hold.
+class DedicatedLayout:
+    """The dedicated tensors of the dict this sits in, keyed relative to that dict.
 
-    ``writer`` is the global rank that saves it; ``local`` is the full tensor on ranks that hold
-    it (the writer, and on load every rank that needs it), else None.
+    DCP's default planners cannot save it (they would write each rank's dedicated tensors
+    without the checks dmuon's planners make): they fail at planning, before anything is
+    written, with a message that names the planner to use.
     """
 
-    shape: torch.Size
-    dtype: torch.dtype
-    writer: int
-    local: torch.Tensor | None = None
-    owner: tuple[int, int] = (0, 0)       # (replicate, shard) slot, recorded in the metadata
-    topology: tuple[int, int] = (1, 1)    # (replicate, shard) sizes at save
-    aliases: tuple[str, ...] = ()         # other names of a tied parameter (saved once)
+    entries: dict[str, DedicatedEntry] = field(default_factory=dict)
+    topology: tuple[int, int] = (1, 1)   # (replicate, shard) sizes at save
+    order: list[str] = field(default_factory=list)  # the model section's keys, in model order
 
-    def __reduce__(self):
-        # Reaching pickle means a planner other than dmuon's met the marker (it would write a
-        # rank's None instead of the tensor): refuse loudly rather than lose the data.
+    def __create_write_items__(self, fqn: str, obj: Any):
         raise TypeError(
-            "a dmuon OwnedTensor (dedicated parameter or its optimizer state) can only be saved "
-            "or loaded with dmuon.dcp.DMuonSavePlanner / DMuonLoadPlanner"
+            f"{fqn!r} is dmuon's description of the dedicated tensors of an AppState: save it with "
+            "planner=dmuon.dcp.DMuonSavePlanner() (and load with DMuonLoadPlanner()), or save "
+            "model.state_dict() instead, which any planner writes correctly"
         )
 
 
-def _owned(rec: DedicatedParam, value: torch.Tensor | None, only_global_owner: bool) -> OwnedTensor:
-    held = rec.is_global_owner if only_global_owner else rec.holds_master
-    return OwnedTensor(
-        shape=rec.shape,
-        dtype=value.dtype if value is not None else rec.master_dtype,
-        writer=rec.topo.global_rank(rec.owner),
-        local=value if held else None,
-        owner=rec.owner,
-        topology=(rec.topo.replicate_size, rec.topo.shard_size),
-    )
+def _entry(rec: DedicatedParam, shape, dtype: torch.dtype, aliases: tuple[str, ...] = ()) -> DedicatedEntry:
+    return DedicatedEntry(tuple(shape), dtype, rec.topo.global_rank(rec.owner), tuple(rec.owner), aliases)
 
 
-def model_state(model: nn.Module) -> dict[str, Any]:
-    """``model.state_dict()`` with every dedicated entry replaced by an :class:`OwnedTensor`."""
+def model_state(model: nn.Module, layout: DedicatedLayout) -> dict[str, Any]:
+    """What ``model.state_dict()`` shows, with tied dedicated aliases dropped (saved once).
+
+    Records the full key order in the layout: no single rank's dict has every key.
+    """
     registry = get_registry(model)
     dedicated = registry.by_alias() if registry is not None else {}
     out: dict[str, Any] = {}
-    for key, value in model.state_dict().items():
+    for key, value in raw_state_dict(model, keep_vars=False).items():
         rec = dedicated.get(key)
+        if rec is not None and key != rec.fqn:
+            continue
+        layout.order.append(f"{MODEL_SECTION}.{key}")
         if rec is None:
             out[key] = value
-        elif key == rec.fqn:  # tied aliases are saved once, under the canonical name
-            master = rec.master.detach() if rec.master is not None else None
-            out[key] = _owned(rec, master, only_global_owner=False)
-            out[key].aliases = tuple(a for a in rec.aliases if a != rec.fqn)
+        elif rec.holds_master:
+            out[key] = rec.master.detach()
+    for rec in registry or ():
+        aliases = tuple(a for a in rec.aliases if a != rec.fqn)
+        layout.entries[f"{MODEL_SECTION}.{rec.fqn}"] = _entry(rec, rec.shape, rec.master_dtype, aliases)
+        layout.topology = (rec.topo.replicate_size, rec.topo.shard_size)
     return out
 
 
-def optimizer_state(optimizer: Muon) -> dict[str, Any]:
+def optimizer_state(optimizer: Muon, layout: DedicatedLayout) -> dict[str, Any]:
     state: dict[str, dict[str, Any]] = {}
-    for param in optimizer.group("adamw")["params"]:
+    for param in optimizer.group(ADAMW_GROUP)["params"]:
         if id(param) not in optimizer.dedicated_of:
             state[optimizer.fqn_of[id(param)]] = dict(optimizer.state[param])
-    registry = optimizer.registry
-    for rec in registry or ():
+    for rec in optimizer.registry or ():
         if not rec.trainable:
             continue
-        names = ("momentum_buffer",) if rec.uses_muon else ("step", "exp_avg", "exp_avg_sq")
-        mine = optimizer.state[rec.master] if rec.is_global_owner else {}
-        entry = {}
-        for name in names:
-            value = mine.get(name)
-            entry[name] = _owned(rec, value, only_global_owner=True)
-            if name == "step":
-                entry[name].shape, entry[name].dtype = torch.Size(()), torch.float32
-        state[rec.fqn] = entry
+        if rec.is_global_owner:
+            state[rec.fqn] = dict(optimizer.state[rec.param])
+        for name, kind in state_fields(rec).items():
+            dtype = SCALAR_DTYPE if kind == "scalar" else rec.master_dtype
+            key = f"{OPTIM_SECTION}.state.{rec.fqn}.{name}"
+            layout.entries[key] = _entry(rec, state_field_shape(kind, rec.shape), dtype)
     groups = {group.pop("name"): group for group in hyperparameters(optimizer)}
     return {"state": state, "param_groups": groups}
 
@@ -117,9 +125,9 @@ def global_offsets(tensor) -> tuple[int, ...]:
 class AppState:
     """A torch ``Stateful`` bundling model, optimizer and user extras for ``dcp.save/load``.
 
-    ``state_dict()`` is cheap (views and markers, no communication); after ``dcp.load`` has
-    filled it in place, ``load_state_dict()`` finishes: hyper-parameters, stale full copies
-    dropped, and the loaded extras kept in :attr:`loaded_extra`.
+    ``state_dict()`` is cheap (views, no communication); after ``dcp.load`` has filled it in
+    place, ``load_state_dict()`` finishes: hyper-parameters, stale full copies dropped, and
+    the loaded extras kept in :attr:`loaded_extra`. Save and load it with dmuon's planners.
     """
 
     def __init__(self, model: nn.Module, optimizer: Muon | None = None, extra: dict | None = None) -> None:
@@ -137,33 +145,20 @@ class AppState:
 
     def state_dict(self) -> dict[str, Any]:
         self._drain()
-        out: dict[str, Any] = {"model": model_state(self.model)}
+        layout = DedicatedLayout()
+        out: dict[str, Any] = {MODEL_SECTION: model_state(self.model, layout)}
         if self.optimizer is not None:
-            out["optim"] = optimizer_state(self.optimizer)
+            out[OPTIM_SECTION] = optimizer_state(self.optimizer, layout)
         if self.extra:
-            out["extra"] = self.extra
+            out[EXTRA_SECTION] = self.extra
+        if layout.entries:
+            out[RESERVED_KEY] = layout
         return out
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         registry = get_registry(self.model)
         if registry is not None:
             registry.reshard_all()  # full copies from before the load are stale
-        if self.optimizer is not None and "optim" in state_dict:
-            restore_hyperparameters(self.optimizer, state_dict["optim"].get("param_groups", {}))
-        self.loaded_extra = state_dict.get("extra", {})
-
-
-# ---------------------------------------------------------------------------------------------
-# Placeholders reached through a plain model.state_dict(): the planners map them back to owners.
-# ---------------------------------------------------------------------------------------------
-def placeholder_owner(tensor: torch.Tensor) -> DedicatedParam | None:
-    """The dedicated parameter whose 0-element placeholder ``tensor`` is, if any."""
-    if not isinstance(tensor, torch.Tensor) or tensor.numel() != 0 or tensor.is_meta:
-        return None
-    return placeholder_record(tensor)
-
-
-def owned_from_placeholder(rec: DedicatedParam) -> OwnedTensor:
-    master = rec.master.detach() if rec.master is not None else None
-    return _owned(rec, master, only_global_owner=False)
-
+        if self.optimizer is not None and OPTIM_SECTION in state_dict:
+            restore_hyperparameters(self.optimizer, state_dict[OPTIM_SECTION].get("param_groups", {}))
+        self.loaded_extra = state_dict.get(EXTRA_SECTION, {})

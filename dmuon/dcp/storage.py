@@ -40,7 +40,7 @@ from typing import Any, BinaryIO
 
 import torch
 from torch.distributed._shard._utils import narrow_tensor_by_index
-from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, _StorageInfo
 from torch.distributed.checkpoint.metadata import (
     Metadata,
     MetadataIndex,
@@ -65,6 +65,7 @@ from .errors import (
     CheckpointIncompleteError,
     CheckpointNotFoundError,
 )
+from .format import RESERVED_KEY
 from .integrity import _crc, decode_manifest, encode_manifest, load_metadata_bytes, manifest_name
 from .stores import (
     METADATA,
@@ -220,6 +221,7 @@ class DMuonStorageWriter(StorageWriter):
                 else:
                     storage_data[result.index] = result.storage_data
         save_id = self.save_id or uuid.uuid4().hex[:16]
+        metadata.version = CURRENT_DCP_VERSION  # what torch's own writers record
         metadata.storage_data = storage_data
         metadata.storage_meta = StorageMeta(checkpoint_id=str(self.store.url), save_id=save_id)
         metadata_bytes = pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)
@@ -380,7 +382,7 @@ class CheckpointListing:
         return flat.view(tuple(chunk.sizes))
 
     def planner_info(self) -> dict:
-        return (self.metadata.planner_data or {}).get("__dmuon__", {})
+        return (self.metadata.planner_data or {}).get(RESERVED_KEY, {})
 
     def verify_files(self, progress=None) -> list[str]:
         """Re-read every data file in full and compare sizes and CRCs with the manifest."""

@@ -1,24 +1,56 @@
 """One optimizer for the whole model: Muon on dedicated matrices, AdamW on everything else.
 
-Muon runs only on the global owner of each dedicated matrix, on its fp32 master. AdamW runs on
-every rank's FSDP2 shards (elementwise, so local shards are enough) and on any other trainable
-parameter. State is allocated eagerly so checkpoints always find it, keyed by FQN through
-:attr:`Muon.fqn_of`.
+The param groups hold the model's own parameters, the same list on every rank, so that code
+which maps optimizer state to FQNs through ``model.named_parameters()`` (torch's
+``get_optimizer_state_dict``) finds every entry. The update of a dedicated parameter is
+applied to its fp32 master, on its global owner only: there ``state[param]`` holds its
+momentum (or Adam moments); on every other rank it is an empty dict. AdamW runs on every
+rank's FSDP2 shards (elementwise, so local shards are enough) and on any other trainable
+parameter. State is allocated eagerly so checkpoints always find it.
+
+:data:`STATE_FIELDS` is the one declaration of what each group keeps per parameter; the
+checkpoint code derives its keys and shapes from it.
 """
 from __future__ import annotations
 
+import itertools
 import math
+from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ..dedicated import DedicatedParam, get_registry
+from .. import compat
+from ..dedicated import DedicatedParam, from_global_owner, get_registry
 from ..fsdp_patch import is_dedicated
 from .newton_schulz import orthogonalize
 
 MUON_GROUP = "muon"
 ADAMW_GROUP = "adamw"
+
+#: Per-parameter optimizer state of each group: name -> "param" (shaped like the parameter,
+#: in the master's dtype) or "scalar" (a 0-d float32 counter).
+STATE_FIELDS: dict[str, dict[str, str]] = {
+    MUON_GROUP: {"momentum_buffer": "param"},
+    ADAMW_GROUP: {"step": "scalar", "exp_avg": "param", "exp_avg_sq": "param"},
+}
+SCALAR_DTYPE = torch.float32
+
+
+def state_field_shape(kind: str, param_shape) -> tuple[int, ...]:
+    return () if kind == "scalar" else tuple(param_shape)
+
+
+def apply_hyperparameters(group: dict, saved: dict) -> None:
+    """Saved hyper-parameters into a param group; a tuple comes back as a tuple, even where a
+    checkpoint format turned it into a list (``betas``)."""
+    for key, value in saved.items():
+        if key == "params":
+            continue
+        if isinstance(group.get(key), tuple) and isinstance(value, list):
+            value = tuple(value)
+        group[key] = value
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -53,10 +85,10 @@ class Muon(torch.optim.Optimizer):
         muon_params: list[nn.Parameter] = []
         adamw_params: list[nn.Parameter] = []
         for rec in self.registry or ():
-            if rec.is_global_owner and rec.trainable:
-                (muon_params if rec.uses_muon else adamw_params).append(rec.master)
-                self.fqn_of[id(rec.master)] = rec.fqn
-                self.dedicated_of[id(rec.master)] = rec
+            if rec.trainable:
+                (muon_params if rec.uses_muon else adamw_params).append(rec.param)
+                self.fqn_of[id(rec.param)] = rec.fqn
+                self.dedicated_of[id(rec.param)] = rec
         for fqn, param in model.named_parameters():
             if is_dedicated(param) or not param.requires_grad:
                 continue
@@ -87,18 +119,25 @@ class Muon(torch.optim.Optimizer):
     def _init_state(self) -> None:
         for group in self.param_groups:
             for param in group["params"]:
-                self.state[param] = self.fresh_state(group["name"], param)
+                target = self.update_target(param)
+                self.state[param] = {} if target is None else self.fresh_state(group["name"], target)
 
     @staticmethod
     def fresh_state(group_name: str, param: torch.Tensor) -> dict[str, torch.Tensor]:
         """Zero state for one parameter; also the template checkpoint loading fills in."""
-        if group_name == MUON_GROUP:
-            return {"momentum_buffer": torch.zeros_like(param, memory_format=torch.preserve_format)}
         return {
-            "step": torch.zeros((), dtype=torch.float32),
-            "exp_avg": torch.zeros_like(param, memory_format=torch.preserve_format),
-            "exp_avg_sq": torch.zeros_like(param, memory_format=torch.preserve_format),
+            name: torch.zeros((), dtype=SCALAR_DTYPE) if kind == "scalar"
+            else torch.zeros_like(param, memory_format=torch.preserve_format)
+            for name, kind in STATE_FIELDS[group_name].items()
         }
+
+    def update_target(self, param: torch.Tensor) -> torch.Tensor | None:
+        """What ``step`` updates for ``param``: itself, or a dedicated parameter's master on its
+        global owner (None on every other rank)."""
+        rec = self.dedicated_of.get(id(param))
+        if rec is None:
+            return param
+        return rec.master if rec.is_global_owner else None
 
     def group(self, name: str) -> dict:
         for group in self.param_groups:
@@ -106,6 +145,103 @@ class Muon(torch.optim.Optimizer):
                 return group
         raise KeyError(f"optimizer has no param group named {name!r}")
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
+        for rec in self.dedicated_of.values():
+            master = rec.master if rec.is_global_owner else None
+            if master is None or master.grad is None:
+                continue
+            if set_to_none:
+                master.grad = None
+            else:
+                master.grad.detach_().zero_()
+
+    # -- torch's optimizer state-dict protocol --------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """torch's layout (state keyed by position in the param groups).
+
+        A dedicated parameter's entry is empty except on its global owner. Under torch's
+        ``get_optimizer_state_dict(full_state_dict=True)`` it is sent from the owner to the
+        ranks torch returns a full dict on, as torch does with DTensor shards.
+        """
+        out = super().state_dict()
+        request = compat.state_dict_request("optim")
+        if request is None or not request.full_state_dict:
+            return out
+        positions = {id(p): i for i, p in enumerate(itertools.chain.from_iterable(
+            g["params"] for g in self.param_groups))}
+        for group in self.param_groups:
+            for param in group["params"]:
+                rec = self.dedicated_of.get(id(param))
+                if rec is None:
+                    continue
+                mine = self.state[param]
+                gathered = {}
+                for name, kind in STATE_FIELDS[group["name"]].items():
+                    shape = state_field_shape(kind, rec.shape)
+                    dtype = SCALAR_DTYPE if kind == "scalar" else rec.master_dtype
+                    value = mine.get(name) if rec.is_global_owner else None
+                    full = from_global_owner(rec, value, request.cpu_offload, shape=shape, dtype=dtype)
+                    if full is not None:
+                        gathered[name] = full
+                if gathered:
+                    out["state"][positions[id(param)]] = gathered
+        return out
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Copy a ``state_dict()``-shaped dict into the existing state, in place.
+
+        Everything is checked first (nothing changes on a mismatch). Entries for dedicated
+        parameters this rank does not own are ignored, so a full dict loads on every rank;
+        tensors keep their dtype (a master's fp32 momentum is never cast to the compute dtype).
+        """
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = pre_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError(f"the state dict has {len(saved_groups)} param groups, the optimizer "
+                             f"{len(self.param_groups)}")
+        id_map: dict[Any, nn.Parameter] = {}
+        for mine, saved in zip(self.param_groups, saved_groups):
+            if len(saved["params"]) != len(mine["params"]):
+                raise ValueError(f"param group {mine['name']!r}: {len(saved['params'])} parameters in the "
+                                 f"state dict, {len(mine['params'])} in the optimizer")
+            id_map.update(zip(saved["params"], mine["params"]))
+        problems: list[str] = []
+        copies: list[tuple[torch.Tensor, Any]] = []
+        for key, entry in state_dict["state"].items():
+            param = id_map.get(key)
+            if param is None:
+                problems.append(f"state for parameter {key!r}, which no param group lists")
+                continue
+            targets = self.state[param]
+            name_of = self.fqn_of.get(id(param), key)
+            for field_name, target in targets.items():
+                value = entry.get(field_name)
+                if value is None:
+                    problems.append(f"{name_of}: no {field_name!r}")
+                elif isinstance(value, torch.Tensor) and tuple(value.shape) != tuple(target.shape):
+                    problems.append(f"{name_of}.{field_name}: shape {tuple(value.shape)}, "
+                                    f"expected {tuple(target.shape)}")
+                else:
+                    copies.append((target, value))
+        if problems:
+            raise ValueError("Muon.load_state_dict: the state dict does not fit the optimizer "
+                             "(nothing was loaded):\n  " + "\n  ".join(problems))
+        with torch.no_grad():
+            for target, value in copies:
+                if isinstance(value, torch.Tensor):
+                    target.copy_(value)
+                else:
+                    target.fill_(value)
+        for mine, saved in zip(self.param_groups, saved_groups):
+            apply_hyperparameters(mine, saved)
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
+
+    # -- the update --------------------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure=None):
         loss = None
@@ -129,11 +265,12 @@ class Muon(torch.optim.Optimizer):
 
     def _muon_step(self, group: dict) -> None:
         lr, mu, wd = group["lr"], group["momentum"], group["weight_decay"]
-        for param in group["params"]:
-            grad = param.grad
-            if grad is None:
+        for model_param in group["params"]:
+            param = self.update_target(model_param)
+            if param is None or param.grad is None:
                 continue
-            buf = self.state[param]["momentum_buffer"]
+            grad = param.grad
+            buf = self.state[model_param]["momentum_buffer"]
             buf.mul_(mu).add_(grad)
             update = grad.add(buf, alpha=mu) if group["nesterov"] else buf
             rows = update.shape[0]
@@ -146,10 +283,11 @@ class Muon(torch.optim.Optimizer):
     def _adamw_step(self, group: dict) -> None:
         lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
         beta1, beta2 = group["betas"]
-        for param in group["params"]:
-            if param.grad is None:
+        for model_param in group["params"]:
+            param = self.update_target(model_param)
+            if param is None or param.grad is None:
                 continue
-            state = self.state[param]
+            state = self.state[model_param]
             state["step"] += 1
             step = state["step"].item()
             grad = _local(param.grad)

@@ -174,9 +174,11 @@ def test_plain_model_state_dict_works_with_the_planners(tmp_path):
     assert max_abs_diff(loaded, saved) == 0.0
 
 
-def test_default_planner_refuses_dedicated_markers(tmp_path):
-    with pytest.raises(RankFailed, match="can only be saved or loaded with dmuon"):
+def test_default_planner_refuses_an_app_state_before_writing(tmp_path):
+    with pytest.raises(RankFailed, match=r"save it with planner=dmuon\.dcp\.DMuonSavePlanner\(\)"):
         run_ranks(default_planner_worker, 2, str(tmp_path / "x"))
+    assert not (tmp_path / "x" / ".metadata").exists()
+    assert not list((tmp_path / "x").glob("*.distcp")) if (tmp_path / "x").exists() else True
 
 
 def default_planner_worker(rank, world, path):

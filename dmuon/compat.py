@@ -1,0 +1,81 @@
+"""Every private torch name dmuon depends on, in one place, each checked on import.
+
+dmuon is tested with the torch releases listed in ``pyproject.toml``. A name that moved or
+vanished in another release fails here, at import, with a message that says which one, instead
+of deep inside a save. ``tests/core/test_compat.py`` exercises each name.
+
+What is private, and why dmuon needs it:
+
+* ``state_dict_request`` reads the options torch's ``get_model_state_dict`` /
+  ``get_optimizer_state_dict`` were called with, from the caller's frame. A dedicated weight
+  is held by its owner alone; in ``full_state_dict`` mode torch only gathers DTensors, so
+  without knowing the mode the full dict would silently lack every weight held elsewhere.
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from types import CodeType
+
+import torch
+import torch.distributed.checkpoint.state_dict as _torch_state_dict
+
+
+class TorchCompatError(ImportError):
+    """The installed torch lacks a private name dmuon relies on."""
+
+
+def _require(module, name: str):
+    value = getattr(module, name, None)
+    if value is None:
+        raise TorchCompatError(
+            f"dmuon needs {module.__name__}.{name}, which torch {torch.__version__} lacks; "
+            "install a torch release listed in dmuon's pyproject.toml"
+        )
+    return value
+
+
+def _code_of(function) -> CodeType:
+    """The code object of a function, through decorators such as ``torch.no_grad()``."""
+    while hasattr(function, "__wrapped__"):
+        function = function.__wrapped__
+    return function.__code__
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.distributed.checkpoint.state_dict: which options is the caller using?
+# ---------------------------------------------------------------------------------------------
+_GET_MODEL = _code_of(_require(_torch_state_dict, "_get_model_state_dict"))
+_GET_OPTIM = _code_of(_require(_torch_state_dict, "_get_optim_state_dict"))
+_FRAMES_TO_SEARCH = 12
+
+
+@dataclass(frozen=True)
+class StateDictRequest:
+    """The options of an enclosing torch ``get_model_state_dict``/``get_optimizer_state_dict``."""
+
+    full_state_dict: bool
+    cpu_offload: bool
+
+
+def state_dict_request(kind: str) -> StateDictRequest | None:
+    """Options of the torch ``get_*_state_dict`` call that is asking, or None if none is.
+
+    ``kind`` is ``"model"`` or ``"optim"``. Looks a few frames up the stack for torch's
+    private worker function and reads its ``info`` argument (a ``_StateDictInfo``).
+    """
+    target = _GET_MODEL if kind == "model" else _GET_OPTIM
+    frame = sys._getframe(1)
+    for _ in range(_FRAMES_TO_SEARCH):
+        if frame is None:
+            return None
+        if frame.f_code is target:
+            info = frame.f_locals.get("info")
+            if info is None or not hasattr(info, "full_state_dict"):
+                raise TorchCompatError(
+                    f"torch {torch.__version__}'s {target.co_name} has no 'info' options: dmuon "
+                    "cannot tell whether a full state dict was asked for"
+                )
+            return StateDictRequest(bool(info.full_state_dict), bool(info.cpu_offload))
+        frame = frame.f_back
+    return None
