@@ -1,5 +1,6 @@
 """dmuon's DCP backend: owner-written sharded checkpoints on local disk, S3 and GCS."""
-from .api import AsyncSaveHandle, async_save, load, save
+from .api import load, save
+from .async_checkpointer import AsyncCheckpointer, AsyncSaveHandle, async_checkpointer, async_save
 from .errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -19,6 +20,7 @@ from .storage import DMuonStorageReader, DMuonStorageWriter
 
 __all__ = [
     "AppState",
+    "AsyncCheckpointer",
     "AsyncSaveHandle",
     "CheckpointCorruptError",
     "CheckpointError",
@@ -36,6 +38,7 @@ __all__ = [
     "SaveRefusedError",
     "StorageError",
     "UnsafeCheckpointError",
+    "async_checkpointer",
     "async_save",
     "export",
     "load",

@@ -26,8 +26,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from ..optim.muon import Muon
-from .api import checkpoint_error
-from .errors import CheckpointError
+from .errors import CheckpointError, from_checkpoint_exception
 from .planner import DMuonSavePlanner
 from .state import AppState
 from .storage import DMuonStorageWriter
@@ -63,7 +62,7 @@ class AsyncSaveHandle:
         if error is not None and not self.reported:
             self.reported = True
             if isinstance(error, CheckpointException):
-                error = checkpoint_error(error, f"async save to {self.checkpoint_id}")
+                error = from_checkpoint_exception(error, f"async save to {self.checkpoint_id}")
             raise CheckpointError(f"async save to {self.checkpoint_id} failed: {error}") from error
 
 
@@ -141,11 +140,16 @@ _CHECKPOINTER_ATTR = "_dmuon_async_checkpointer"
 def async_checkpointer(model: nn.Module) -> AsyncCheckpointer:
     """The checkpointer ``async_save(model, ...)`` uses for this model (created on first use,
     freed with the model or by its ``close()``)."""
-    checkpointer = getattr(model, _CHECKPOINTER_ATTR, None)
+    checkpointer = pending_async_saves(model)
     if checkpointer is None:
         checkpointer = AsyncCheckpointer()
-        object.__setattr__(model, _CHECKPOINTER_ATTR, checkpointer)
+        setattr(model, _CHECKPOINTER_ATTR, checkpointer)
     return checkpointer
+
+
+def pending_async_saves(model: nn.Module) -> AsyncCheckpointer | None:
+    """The model's checkpointer if ``async_save`` ever ran on it (a sync save checks it first)."""
+    return getattr(model, _CHECKPOINTER_ATTR, None)
 
 
 def async_save(

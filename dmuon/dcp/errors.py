@@ -59,3 +59,18 @@ class SaveRefusedError(CheckpointError, ValueError):
         super().__init__(
             f"refusing to save ({len(problems)} problem(s)); nothing was written:\n  " + "\n  ".join(problems)
         )
+
+
+def from_checkpoint_exception(exc, what: str) -> CheckpointError:
+    """torch's ``CheckpointException`` (a BaseException carrying every rank's failure) as a
+    catchable :class:`CheckpointError` of the first failing rank's type, saying what failed."""
+    rank = min(exc.failures)
+    cause = exc.failures[rank][0]
+    message = f"{what} failed on rank(s) {sorted(exc.failures)}: {cause}"
+    error_type = type(cause) if isinstance(cause, CheckpointError) else CheckpointError
+    try:
+        error = error_type(message)
+    except TypeError:
+        error = CheckpointError(message)
+    error.__cause__ = cause
+    return error

@@ -10,6 +10,7 @@ from torch import nn
 from ..optim.muon import Muon
 from ..topology import current_rank as _rank
 from . import api
+from .async_checkpointer import AsyncCheckpointer, AsyncSaveHandle
 from .errors import CheckpointCorruptError, CheckpointError, CheckpointIncompleteError
 from .stores import METADATA, open_store, remove_checkpoint
 
@@ -37,7 +38,8 @@ class CheckpointManager:
         self.async_save = async_save
         self.storage_options = storage_options
         self.store = open_store(self.root, storage_options)
-        self._in_flight: tuple[int, api.AsyncSaveHandle] | None = None
+        self.async_checkpointer = AsyncCheckpointer() if async_save else None
+        self._in_flight: tuple[int, AsyncSaveHandle] | None = None
         self.last_extra: dict = {}  # what load_latest's checkpoint carried in ``extra``
 
     def path(self, step: int) -> str:
@@ -68,8 +70,8 @@ class CheckpointManager:
             self._in_flight = None
         path = self.path(step)
         if self.async_save:
-            handle = api.async_save(model, optimizer, path, extra=extra,
-                                    storage_options=self.storage_options, overwrite=True)
+            handle = self.async_checkpointer.save(model, optimizer, path, extra=extra,
+                                                  storage_options=self.storage_options, overwrite=True)
             self._in_flight = (step, handle)
         else:
             api.save(model, optimizer, path, extra=extra, storage_options=self.storage_options, overwrite=True)
@@ -81,6 +83,14 @@ class CheckpointManager:
         if self._in_flight is not None:
             handle, self._in_flight = self._in_flight[1], None
             handle.wait()
+
+    def close(self) -> None:
+        """Finish an async save in flight (raising its error) and free its staging memory."""
+        try:
+            self.wait()
+        finally:
+            if self.async_checkpointer is not None:
+                self.async_checkpointer.close()
 
     def clean_up(self) -> list[int]:
         """Delete uncommitted leftovers and committed steps beyond ``keep_last``; returns them."""

@@ -34,10 +34,7 @@ from torch.distributed.checkpoint.default_planner import (
 )
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
-    ChunkStorageMetadata,
     Metadata,
-    MetadataIndex,
-    TensorProperties,
     TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.planner import (
@@ -46,7 +43,6 @@ from torch.distributed.checkpoint.planner import (
     ReadItem,
     SavePlan,
     SavePlanner,
-    TensorWriteData,
     WriteItem,
     WriteItemType,
 )
@@ -58,7 +54,7 @@ from ..optim.muon import SCALAR_DTYPE, STATE_FIELDS, state_field_shape
 from ..topology import current_rank
 from .errors import CheckpointMismatchError, SaveRefusedError
 from .format import FORMAT_VERSION, MODEL_PREFIX, RESERVED_KEY
-from .state import DedicatedEntry, DedicatedLayout, StagedShard
+from .state import DedicatedEntry, DedicatedLayout
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +75,9 @@ def _take_layouts(flat: dict[str, Any]) -> tuple[dict[str, Any], DedicatedLayout
     return regular, layout
 
 
-def expected_dedicated(key: str, layout: dict[str, DedicatedEntry]) -> tuple[tuple[int, ...], torch.dtype | None] | None:
+def expected_dedicated(
+    key: str, layout: dict[str, DedicatedEntry]
+) -> tuple[tuple[int, ...], torch.dtype | None] | None:
     """(shape, dtype or None) a dedicated key must have; None if ``key`` is not dedicated."""
     entry = layout.get(key)
     if entry is not None:
@@ -126,19 +124,6 @@ def merge_key_orders(orders: list[list[str]]) -> list[str]:
     return merged
 
 
-def _staged_write_item(fqn: str, shard: StagedShard) -> WriteItem:
-    """The write item DCP would make for the DTensor shard this staged copy came from."""
-    return WriteItem(
-        index=MetadataIndex(fqn, torch.Size(shard.offsets)),
-        type=WriteItemType.SHARD,
-        tensor_data=TensorWriteData(
-            chunk=ChunkStorageMetadata(offsets=torch.Size(shard.offsets), sizes=shard.local.size()),
-            properties=TensorProperties.create_from_tensor(shard.local),
-            size=torch.Size(shard.global_shape),
-        ),
-    )
-
-
 def _chunk_key(item: WriteItem) -> tuple:
     return (item.index.fqn, tuple(item.index.offset or ()))
 
@@ -159,8 +144,6 @@ class DMuonSavePlanner(SavePlanner):
         """Dedicated keys holding the wrong thing, or missing on the rank that must write them."""
         problems = []
         for key, value in self.state_dict.items():
-            if isinstance(value, StagedShard):
-                continue
             expected = expected_dedicated(key, self.layout)
             if expected is None:
                 continue
@@ -177,12 +160,10 @@ class DMuonSavePlanner(SavePlanner):
         problems = self._local_problems()
         if problems:
             raise SaveRefusedError(problems)
-        regular = {k: v for k, v in self.state_dict.items()
-                   if not isinstance(v, StagedShard)
-                   and (k not in self.layout or self.layout[k].writer == self.rank)}
-        plan = create_default_local_save_plan(regular, self.is_coordinator)
-        staged = [_staged_write_item(fqn, v) for fqn, v in self.state_dict.items() if isinstance(v, StagedShard)]
-        plan = dataclasses.replace(plan, items=plan.items + staged, planner_data=self.mappings)
+        mine = {k: v for k, v in self.state_dict.items()
+                if k not in self.layout or self.layout[k].writer == self.rank}
+        plan = create_default_local_save_plan(mine, self.is_coordinator)
+        plan = dataclasses.replace(plan, planner_data=self.mappings)
         self.plan = plan
         return plan
 
@@ -252,15 +233,19 @@ class DMuonSavePlanner(SavePlanner):
         return new_plan
 
     def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
-        obj = self.state_dict.get(write_item.index.fqn)
-        if isinstance(obj, StagedShard):
-            return obj.local
         obj = find_state_dict_object(self.state_dict, write_item.index)
         if write_item.type == WriteItemType.BYTE_IO:
             buffer = io.BytesIO()
             torch.save(obj, buffer)
             return buffer
         return obj.detach() if isinstance(obj, torch.Tensor) else obj
+
+
+def _tensor_spec(value) -> tuple[tuple[int, ...], torch.dtype] | None:
+    """(global shape, dtype) of a tensor (DTensor and ShardedTensor included), else None."""
+    if isinstance(value, torch.Tensor):
+        return tuple(value.shape), value.dtype
+    return None
 
 
 def _describe_dtype(dtype) -> str:
@@ -290,10 +275,8 @@ class DMuonLoadPlanner(LoadPlanner):
             problem = dedicated_value_problem(dedicated[0], value) if dedicated is not None else None
             if problem is not None:
                 self.refused[fqn] = f"{fqn}: the state dict being loaded into holds {problem}"
-            elif isinstance(value, torch.Tensor):
-                self.expected[fqn] = (tuple(value.shape), value.dtype)
             else:
-                self.expected[fqn] = None
+                self.expected[fqn] = _tensor_spec(value)
             self.state_dict[fqn] = value
         for fqn, entry in layout.items():
             # held here or not, every rank checks it: all ranks then report the same problems

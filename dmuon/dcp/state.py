@@ -101,27 +101,6 @@ def optimizer_state(optimizer: Muon, layout: DedicatedLayout) -> dict[str, Any]:
     return {"state": state, "param_groups": groups}
 
 
-@dataclass
-class StagedShard:
-    """A CPU copy of one rank's DTensor shard, as ``async_save`` stages it.
-
-    Not a DTensor: ``DTensor.from_local`` would move the copy back to the mesh's device (the
-    GPU), undoing the staging. The dmuon save planner writes it like the shard it came from.
-    """
-
-    local: torch.Tensor
-    global_shape: torch.Size
-    offsets: tuple[int, ...]
-
-
-def global_offsets(tensor) -> tuple[int, ...]:
-    """Where a DTensor's local shard starts in the global tensor."""
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    _, offsets = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
-    return tuple(offsets)
-
-
 class AppState:
     """A torch ``Stateful`` bundling model, optimizer and user extras for ``dcp.save/load``.
 

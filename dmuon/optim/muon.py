@@ -164,6 +164,8 @@ class Muon(torch.optim.Optimizer):
         ``get_optimizer_state_dict(full_state_dict=True)`` it is sent from the owner to the
         ranks torch returns a full dict on, as torch does with DTensor shards.
         """
+        if self.registry is not None:
+            self.registry.wait_all()  # a replica's master must not be mid-broadcast when read
         out = super().state_dict()
         request = compat.state_dict_request("optim")
         if request is None or not request.full_state_dict:

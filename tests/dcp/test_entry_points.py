@@ -278,3 +278,72 @@ def test_bf16_export_holds_full_dedicated_weights(tmp_path):
         got = {k: v for k, v in got.items() if k in want}
         assert got[DEDICATED].shape == (32, 32) and got[DEDICATED].dtype == torch.bfloat16
         assert max_abs_diff(got, want) == 0.0, name
+
+
+# ---------------------------------------------------------------------------------------------
+# torch's dcp.async_save: thread- and process-based, AppState or a plain state dict
+# ---------------------------------------------------------------------------------------------
+def torch_async_worker(rank, world, path, how):
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    model, opt = build()
+    train(model, opt, rank, world, range(2))
+    snapshot = full_state(model, opt)
+    group = dist.new_group(backend="gloo")  # never the training group (see shared/notes/dcp.md)
+    kind = AsyncCheckpointerType.PROCESS if how.startswith("process") else AsyncCheckpointerType.THREAD
+    stager = DefaultStager(StagingOptions(False, False, False, False))  # torch's defaults need a GPU
+    if how.endswith("app"):
+        state, planner = {"app": ddcp.AppState(model, opt)}, ddcp.DMuonSavePlanner()
+    else:
+        state, planner = {"model": model.state_dict(), "optim": get_optimizer_state_dict(model, opt)}, None
+    future = dcp.async_save(state, checkpoint_id=path, planner=planner, process_group=group,
+                            async_checkpointer_type=kind, async_stager=stager)
+    train(model, opt, rank, world, range(2, 4))  # must not leak into the checkpoint
+    future.result()
+    fresh, fresh_opt = build()
+    if how.endswith("app"):
+        dcp.load({"app": ddcp.AppState(fresh, fresh_opt)}, checkpoint_id=path, planner=ddcp.DMuonLoadPlanner())
+    else:
+        loaded = {"model": fresh.state_dict(), "optim": get_optimizer_state_dict(fresh, fresh_opt)}
+        dcp.load(loaded, checkpoint_id=path)
+        fresh.load_state_dict(loaded["model"])
+        set_optimizer_state_dict(fresh, fresh_opt, loaded["optim"])
+    return {"snapshot": snapshot, "loaded": full_state(fresh, fresh_opt), "live": full_state(model, opt)}
+
+
+@pytest.mark.parametrize("how", ["thread-app", "thread-plain", "process-app"])
+def test_torch_async_save_is_bit_exact_and_captured_at_the_call(tmp_path, how):
+    results = run_ranks(torch_async_worker, 2, str(tmp_path / "ckpt"), how, daemon=how.startswith("thread"))
+    for res in results:
+        assert max_abs_diff(res["loaded"]["model"], res["snapshot"]["model"]) == 0.0
+        assert_optim_equal(res["loaded"]["optim"], res["snapshot"]["optim"])
+        assert max_abs_diff(res["live"]["model"], res["snapshot"]["model"]) > 0.0  # training went on
+
+
+def staging_worker(rank, world):
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+    from torch.utils._pytree import tree_leaves
+
+    model, opt = build()
+    stager = DefaultStager(StagingOptions(False, False, False, False))
+    out = {}
+    for name, make in (("app", lambda: {"app": ddcp.AppState(model, opt).state_dict()}),
+                       ("plain", lambda: {"model": model.state_dict()})):
+        first = [t.data_ptr() for t in tree_leaves(stager.stage(make())) if isinstance(t, torch.Tensor)]
+        train(model, opt, rank, world, range(1))
+        staged = stager.stage(make())
+        second = [t.data_ptr() for t in tree_leaves(staged) if isinstance(t, torch.Tensor)]
+        out[name] = {"same_buffers": first == second, "count": len(first)}
+    out["fresh"] = max_abs_diff({k: v.to_local() if hasattr(v, "to_local") else v for k, v in staged["model"].items()},
+                                {k: v.to_local() if hasattr(v, "to_local") else v for k, v in model.state_dict().items()})
+    stager.close()
+    return out
+
+
+def test_staging_memory_is_reused_across_saves():
+    for res in run_ranks(staging_worker, 2):
+        for name in ("app", "plain"):
+            assert res[name]["count"] > 0 and res[name]["same_buffers"], (name, res)
+        assert res["fresh"] == 0.0  # the reused buffers hold the new values

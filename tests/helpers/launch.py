@@ -61,10 +61,11 @@ def _rank_main(fn, rank, world_size, port, args, kwargs, out_dir, env):
 
 
 def run_ranks(fn, world_size: int, *args, timeout: float = 90.0, env: dict | None = None,
-              grace: float = 5.0, **kwargs):
+              grace: float = 5.0, daemon: bool = True, **kwargs):
     """Call ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` ranks; return results by rank.
 
     Once a rank fails, the others get ``grace`` seconds to report their own errors, then die.
+    ``daemon=False`` lets ranks start processes of their own (killed all the same on timeout).
     """
     import torch
 
@@ -74,7 +75,7 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 90.0, env: dict | Non
             _CTX.Process(
                 target=_rank_main,
                 args=(fn, rank, world_size, port, args, kwargs, out_dir, dict(env or {})),
-                daemon=True,
+                daemon=daemon,
             )
             for rank in range(world_size)
         ]

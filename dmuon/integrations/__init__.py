@@ -1,0 +1,1 @@
+"""Optional integrations with other training frameworks (each imports its framework)."""
