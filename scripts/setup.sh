@@ -10,5 +10,9 @@ stamp=".venv/.dmuon-installed-${extras:-base}"
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
     # torch first in the same resolve: the pinned CPU wheel, never a multi-GB CUDA build.
     .venv/bin/python -m pip install -q --disable-pip-version-check "torch==2.13.0" -e ".${extras:+[$extras]}"
+    if [ "$extras" = test ]; then
+        # the torchtitan integration tests: torchtitan without its training-data dependencies
+        .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps "torchtitan==0.3.0"
+    fi
     touch "$stamp"
 fi

@@ -96,7 +96,9 @@ def test_retention_keeps_the_newest_and_exports_hold_full_dedicated_weights(tmp_
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     want = run_ranks(retention_and_export_worker, 2, str(tmp_path))[0]
-    assert sorted(os.listdir(tmp_path / "run")) == ["step-4", "step-5"]
+    # keep_latest_k=2 after the interval saves of steps 1-4; torchtitan does not purge after the
+    # last-step export (step 5)
+    assert sorted(os.listdir(tmp_path / "run")) == ["step-3", "step-4", "step-5"]
     metadata = pickle.loads((tmp_path / "run" / "step-5" / ".metadata").read_bytes())
     assert tuple(metadata.state_dict_metadata[DEDICATED].size) == (32, 32)
     dcp_to_torch_save(tmp_path / "run" / "step-5", tmp_path / "export.pt")
