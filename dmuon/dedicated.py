@@ -299,6 +299,9 @@ def dedicate_params(
             param_dtype or param.dtype,
         )
         setattr(param, fsdp_patch.DEDICATED_ATTR, rec)
+        # DCP's checkpointable protocol: a plain planner handed this parameter itself (say,
+        # dict(model.named_parameters())) asks it for its write items; refuse before writing.
+        param.__create_write_items__ = _refuse_placeholder_save
         registry.handles.append(param.register_post_accumulate_grad_hook(rec.reduce_grad))
         registry.records[fqn] = rec
     _sync_replicas_at_start(registry)
@@ -416,6 +419,17 @@ def find_dedicated(key: str) -> tuple[DedicatedParam, str | None] | None:
                 if rec is not None:
                     return rec, parts[-1]
     return None
+
+
+def _refuse_placeholder_save(fqn: str, obj) -> list:
+    rec = getattr(obj, fsdp_patch.DEDICATED_ATTR, None)
+    shape = tuple(rec.shape) if rec is not None else "?"
+    raise ValueError(
+        f"{fqn!r} is a dmuon dedicated parameter itself, a 0-element placeholder outside forward "
+        f"(the weight, of shape {shape}, lives on its owner rank): saving it would lose the weight. "
+        "Save model.state_dict() (it holds the full weight on the ranks that own it) or "
+        "dmuon.dcp.AppState(model, optimizer)"
+    )
 
 
 def _install_state_dict_hooks(model: nn.Module, registry: DedicatedRegistry) -> None:

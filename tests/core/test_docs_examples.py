@@ -10,8 +10,9 @@ from tests.helpers.launch import run_ranks
 DOC = Path(__file__).resolve().parents[2] / "docs" / "checkpoint.md"
 
 
-def examples() -> dict[str, str]:
-    text = DOC.read_text()
+def examples(doc: Path = DOC) -> dict[str, str]:
+    """The ``<!-- example: name -->`` python blocks of a document, by name."""
+    text = doc.read_text()
     return dict(re.findall(r"<!-- example: ([\w-]+) -->\n```python\n(.*?)```", text, re.S))
 
 

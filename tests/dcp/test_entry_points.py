@@ -347,3 +347,15 @@ def test_staging_memory_is_reused_across_saves():
         for name in ("app", "plain"):
             assert res[name]["count"] > 0 and res[name]["same_buffers"], (name, res)
         assert res["fresh"] == 0.0  # the reused buffers hold the new values
+
+
+def named_parameters_worker(rank, world, path):
+    model, _ = build()
+    dcp.save(dict(model.named_parameters()), checkpoint_id=path)  # torch's default planner
+
+
+def test_default_planner_refuses_the_dedicated_parameters_themselves(tmp_path):
+    path = tmp_path / "params"
+    with pytest.raises(RankFailed, match="is a dmuon dedicated parameter itself"):
+        run_ranks(named_parameters_worker, 2, str(path))
+    assert not (path / ".metadata").exists()
