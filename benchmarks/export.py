@@ -23,10 +23,13 @@ CONVERT = r"""
 import os, resource, sys, time
 import psutil, torch
 import dmuon.dcp as ddcp
+from dmuon.dcp.export import release_freed_memory_promptly
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 base = psutil.Process().memory_info().rss
 t0 = time.perf_counter()
 how, src, dst = sys.argv[1:4]
+if how.startswith("dmuon"):
+    release_freed_memory_promptly()  # as the dmuon-ckpt CLI does in its own process
 if how == "dmuon-safetensors":
     ddcp.export(src, dst)
 elif how == "dmuon-torch":

@@ -11,11 +11,12 @@ What is private, and why dmuon needs it:
   is held by its owner alone; in ``full_state_dict`` mode torch only gathers DTensors, so
   without knowing the mode the full dict would silently lack every weight held elsewhere.
 """
+
 from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from types import CodeType
+from types import CodeType, FrameType
 
 import torch
 import torch.distributed.checkpoint.state_dict as _torch_state_dict
@@ -65,7 +66,7 @@ def state_dict_request(kind: str) -> StateDictRequest | None:
     private worker function and reads its ``info`` argument (a ``_StateDictInfo``).
     """
     target = _GET_MODEL if kind == "model" else _GET_OPTIM
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     for _ in range(_FRAMES_TO_SEARCH):
         if frame is None:
             return None
@@ -79,3 +80,45 @@ def state_dict_request(kind: str) -> StateDictRequest | None:
             return StateDictRequest(bool(info.full_state_dict), bool(info.cpu_offload))
         frame = frame.f_back
     return None
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.distributed.checkpoint: the storage format torch's own readers understand
+# ---------------------------------------------------------------------------------------------
+import torch.distributed.checkpoint.filesystem as _dcp_filesystem  # noqa: E402
+
+#: The byte range of one item in a data file (``relative_path``, ``offset``, ``length``).
+#: dmuon writes it into ``Metadata.storage_data`` so that torch's ``FileSystemReader`` (and
+#: ``dcp.load`` without dmuon installed) reads dmuon checkpoints.
+StorageInfo = _require(_dcp_filesystem, "_StorageInfo")
+#: The DCP format version torch's writers record in ``Metadata.version``.
+CURRENT_DCP_VERSION: str = _require(_dcp_filesystem, "CURRENT_DCP_VERSION")
+
+import torch.distributed.checkpoint._traverse as _dcp_traverse  # noqa: E402
+
+#: ``set_element(root, path, value)``: put a value at a DCP flattening path (the tuples in
+#: ``Metadata.planner_data``), creating dicts and lists on the way, as DCP's loaders do.
+set_element = _require(_dcp_traverse, "set_element")
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.serialization: writing a file torch.load reads, one tensor at a time (export)
+# ---------------------------------------------------------------------------------------------
+import torch.serialization as _serialization  # noqa: E402
+import torch.storage as _storage  # noqa: E402
+
+#: A zip writer that writes records (``write_record(name, data, nbytes)``) straight to a path.
+open_zipfile_writer = _require(_serialization, "_open_zipfile_writer")
+#: The byte alignment torch.save gives storage records.
+storage_alignment = _require(_serialization, "_get_storage_alignment")
+#: What a pickled tensor is rebuilt with (``torch.load`` allows it with ``weights_only``).
+rebuild_tensor = _require(torch._utils, "_rebuild_tensor_v2")
+#: dtype -> the name of its legacy typed storage class, as torch.save pickles it.
+storage_type_names = _require(_storage, "_dtype_to_storage_type_map")
+
+
+# ---------------------------------------------------------------------------------------------
+# FSDP2: the helper dmuon's one patch wraps (see fsdp_patch.py)
+# ---------------------------------------------------------------------------------------------
+FSDP_PATCH_MODULE = "torch.distributed.fsdp._fully_shard._fully_shard"
+FSDP_PATCH_TARGET = "_get_modules_and_states"

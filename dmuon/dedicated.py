@@ -21,6 +21,7 @@ planner, writes it whole from a rank that has it: a 0-element placeholder under 
 could otherwise win DCP's de-duplication and replace the weight with nothing.
 ``model.load_state_dict`` accepts exactly that, and also a full single-process state dict.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -76,6 +77,13 @@ class DedicatedParam:
         param.data = self._placeholder
 
     @property
+    def held_master(self) -> nn.Parameter:
+        """The fp32 master, on ranks that hold it (asking elsewhere is a programming error)."""
+        if self.master is None:
+            raise RuntimeError(f"this rank does not hold the master of {self.fqn}")
+        return self.master
+
+    @property
     def trainable(self) -> bool:
         return self.param.requires_grad
 
@@ -91,7 +99,7 @@ class DedicatedParam:
         self.wait_replicate()
         full = torch.empty(self.shape, dtype=self.compute_dtype, device=self.topo.device)
         if self.holds_master:
-            full.copy_(self.master.detach())
+            full.copy_(self.held_master.detach())
         if self.topo.shard_size > 1:
             dist.broadcast(full, group=self.topo.shard_group, group_src=self.owner[1])
         self.param.data = full
@@ -114,10 +122,10 @@ class DedicatedParam:
                 dist.reduce(grad, group=topo.replicate_group, group_dst=self.owner[0])
             if self.is_global_owner:
                 grad.div_(topo.world_size)
-                if self.master.grad is None:
-                    self.master.grad = grad
+                if self.held_master.grad is None:
+                    self.held_master.grad = grad
                 else:
-                    self.master.grad.add_(grad)
+                    self.held_master.grad.add_(grad)
         self.reshard()
 
     # -- after the optimizer step -----------------------------------------------------------
@@ -127,7 +135,7 @@ class DedicatedParam:
             return
         self.wait_replicate()
         work = dist.broadcast(
-            self.master.data,
+            self.held_master.data,
             group=self.topo.replicate_group,
             group_src=self.owner[0],
             async_op=True,
@@ -183,7 +191,7 @@ class DedicatedRegistry:
 # Every model dedicate_params set up that is still alive (weak: a model that is deleted drops
 # out). DCP planners see only state dicts, not models: this is how they learn which keys are
 # dedicated weights, to refuse a 0-element copy of one. Read it with :func:`live_registries`.
-_LIVE_REGISTRIES: "weakref.WeakSet[DedicatedRegistry]" = weakref.WeakSet()
+_LIVE_REGISTRIES: weakref.WeakSet[DedicatedRegistry] = weakref.WeakSet()
 
 
 def live_registries() -> list[DedicatedRegistry]:
@@ -301,17 +309,17 @@ def dedicate_params(
         setattr(param, fsdp_patch.DEDICATED_ATTR, rec)
         # DCP's checkpointable protocol: a plain planner handed this parameter itself (say,
         # dict(model.named_parameters())) asks it for its write items; refuse before writing.
-        param.__create_write_items__ = _refuse_placeholder_save
+        param.__create_write_items__ = _refuse_placeholder_save  # type: ignore[attr-defined]
         registry.handles.append(param.register_post_accumulate_grad_hook(rec.reduce_grad))
         registry.records[fqn] = rec
     _sync_replicas_at_start(registry)
 
     by_module: dict[nn.Module, list[DedicatedParam]] = {}
     for module in model.modules():
-        for param in module._parameters.values():
-            rec = getattr(param, fsdp_patch.DEDICATED_ATTR, None) if param is not None else None
-            if rec is not None and rec.fqn in registry.records:
-                by_module.setdefault(module, []).append(rec)
+        for held in module._parameters.values():
+            found = getattr(held, fsdp_patch.DEDICATED_ATTR, None) if held is not None else None
+            if found is not None and found.fqn in registry.records:
+                by_module.setdefault(module, []).append(found)
     for module, recs in by_module.items():
         _install_module_hooks(module, recs, registry)
     _install_state_dict_hooks(model, registry)
@@ -330,8 +338,11 @@ def _sync_replicas_at_start(registry: DedicatedRegistry) -> None:
 # Moving a tensor only the global owner has
 # ---------------------------------------------------------------------------------------------
 def from_global_owner(
-    rec: DedicatedParam, value: torch.Tensor | None, rank0_only: bool,
-    shape: tuple[int, ...] | None = None, dtype: torch.dtype | None = None,
+    rec: DedicatedParam,
+    value: torch.Tensor | None,
+    rank0_only: bool,
+    shape: tuple[int, ...] | None = None,
+    dtype: torch.dtype | None = None,
 ) -> torch.Tensor | None:
     """Collective: ``value`` (given on the global owner) to global rank 0, or to every rank.
 
@@ -342,9 +353,12 @@ def from_global_owner(
     src = rec.topo.global_rank(rec.owner)
     me = current_rank()
     if me == src:
+        if value is None:
+            raise ValueError(f"the global owner of {rec.fqn} must pass its value")
         value = value.to(rec.topo.device)  # a CPU step counter must travel on the device
     if rank0_only:
         if me == src:
+            assert value is not None
             if me != 0:
                 dist.send(value.contiguous(), dst=0)
             return value if me == 0 else None
@@ -353,7 +367,7 @@ def from_global_owner(
             dist.recv(buf, src=src)
             return buf
         return None
-    buf = value if me == src else torch.empty(shape, dtype=dtype, device=rec.topo.device)
+    buf = value if value is not None and me == src else torch.empty(shape, dtype=dtype, device=rec.topo.device)
     dist.broadcast(buf, src=src)
     return buf
 
@@ -387,17 +401,21 @@ def dedicated_value_problem(shape: tuple[int, ...], value) -> str | None:
     """Why ``value`` cannot stand for a dedicated tensor of ``shape`` in a state dict, or None."""
     shape = tuple(shape)
     if isinstance(value, torch.distributed.tensor.DTensor):
-        return (f"a DTensor, but it is a dmuon dedicated tensor (one owner rank holds it whole); "
-                f"pass a plain tensor of shape {shape}")
+        return (
+            f"a DTensor, but it is a dmuon dedicated tensor (one owner rank holds it whole); "
+            f"pass a plain tensor of shape {shape}"
+        )
     if not isinstance(value, torch.Tensor):
         return f"a {type(value).__name__}, not a tensor of shape {shape}"
     if tuple(value.shape) == shape:
         return None
     if value.numel() == 0 and math.prod(shape) != 0:
-        return (f"an empty tensor of shape {tuple(value.shape)} where the dmuon dedicated tensor has "
-                f"shape {shape}: a copy of a rank's placeholder, not the weight. Take the state "
-                "dict from model.state_dict() (it holds the full weight on the ranks that own it), "
-                "dmuon.get_model_state_dict(model) or dmuon.dcp.AppState(model, optimizer)")
+        return (
+            f"an empty tensor of shape {tuple(value.shape)} where the dmuon dedicated tensor has "
+            f"shape {shape}: a copy of a rank's placeholder, not the weight. Take the state "
+            "dict from model.state_dict() (it holds the full weight on the ranks that own it), "
+            "dmuon.get_model_state_dict(model) or dmuon.dcp.AppState(model, optimizer)"
+        )
     return f"shape {tuple(value.shape)}, but the dmuon dedicated tensor has shape {shape}"
 
 
@@ -442,22 +460,22 @@ def _install_state_dict_hooks(model: nn.Module, registry: DedicatedRegistry) -> 
     load_state_dict: a dedicated entry is validated on every rank and copied into the master
     where it is held; on other ranks its absence is not an error (state_dict never gave it).
     """
+
     def on_state_dict(module, state_dict, prefix, local_metadata) -> None:
         if registry.raw:
             return
         request = compat.state_dict_request("model")
-        full = request is not None and request.full_state_dict
         for rec in registry:
             keys = [prefix + alias for alias in rec.aliases if prefix + alias in state_dict]
             if not keys:
                 continue
             rec.wait_replicate()
             keep_vars = isinstance(state_dict[keys[0]], nn.Parameter)
-            if full:
-                master = rec.master.detach() if rec.is_global_owner else None
+            if request is not None and request.full_state_dict:
+                master = rec.held_master.detach() if rec.is_global_owner else None
                 value = from_global_owner(rec, master, rank0_only=request.cpu_offload)
             elif rec.holds_master:
-                value = rec.master if keep_vars else rec.master.detach()
+                value = rec.master if keep_vars else rec.held_master.detach()
             else:
                 value = None
             for key in keys:
@@ -468,8 +486,7 @@ def _install_state_dict_hooks(model: nn.Module, registry: DedicatedRegistry) -> 
 
     excused: set[str] = set()
 
-    def on_load(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                error_msgs) -> None:
+    def on_load(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs) -> None:
         excused.clear()
         for rec in registry:
             rec.wait_replicate()
@@ -486,7 +503,7 @@ def _install_state_dict_hooks(model: nn.Module, registry: DedicatedRegistry) -> 
                     error_msgs.append(f"size mismatch for {key}: the state dict holds {problem}.")
                 elif rec.holds_master:
                     with torch.no_grad():
-                        rec.master.copy_(value.detach())
+                        rec.held_master.copy_(value.detach())
             rec.reshard()  # a full copy from before the load is stale
 
     def after_load(module, incompatible_keys) -> None:

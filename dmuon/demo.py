@@ -12,6 +12,7 @@ saving every few steps, killed by a simulated crash (one rank SIGKILLs itself); 
 processes that resume from the newest committed checkpoint and finish. The resumed run must end
 bit-identical to the reference. The final checkpoint is then exported to safetensors.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -152,8 +153,9 @@ def _resumed(rank: int, world_size: int, args, out_dir: str) -> None:
     manager.save(args.steps, model, optimizer, extra={"step": args.steps})
     state = dmuon.get_model_state_dict(model)
     if rank == 0:
-        torch.save({"rows": rows, "state": state, "start": start, "load_secs": load_secs},
-                   os.path.join(out_dir, "resumed.pt"))
+        torch.save(
+            {"rows": rows, "state": state, "start": start, "load_secs": load_secs}, os.path.join(out_dir, "resumed.pt")
+        )
 
 
 PHASES = {"reference": _reference, "crashing": _crashing, "resumed": _resumed}
@@ -194,9 +196,8 @@ def _print_losses(rows, every: int = 5) -> None:
 def main(argv: list[str] | None = None) -> int:
     import tempfile
 
-    from .dcp.cli import describe, parse_storage_options
-    from .dcp.export import export
-    from .dcp.storage import open_checkpoint
+    from .dcp import export, inspect
+    from .dcp.store import storage_options_from_pairs
 
     parser = argparse.ArgumentParser(prog="python -m dmuon.demo", description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=40)
@@ -208,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not 0 < args.crash_at < args.steps or args.crash_at < args.save_every:
         parser.error("--crash-at must fall after the first checkpoint and before the last step")
-    args.storage_options = parse_storage_options(args.storage_option)
+    args.storage_options = storage_options_from_pairs(args.storage_option)
     base = args.checkpoint_dir.rstrip("/")
     if "://" not in base:
         base = os.path.abspath(base)
@@ -225,12 +226,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"    {fqn:<28} owner: shard rank {owner[1]}")
         _print_losses(reference["rows"])
 
-        print(f"\n[2/3] same run, checkpoint every {args.save_every} steps; rank {args.world_size - 1} "
-              f"crashes (SIGKILL) at step {args.crash_at}")
+        print(
+            f"\n[2/3] same run, checkpoint every {args.save_every} steps; rank {args.world_size - 1} "
+            f"crashes (SIGKILL) at step {args.crash_at}"
+        )
         try:
             _spawn("crashing", args, out_dir)
             print("  (no crash happened?)")
-        except Exception as exc:  # noqa: BLE001 - the crash is the point
+        except Exception as exc:
             print(f"  crashed as planned: {type(exc).__name__}")
         save_times = torch.load(os.path.join(out_dir, "save_times.pt"))
 
@@ -239,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
         resumed = torch.load(os.path.join(out_dir, "resumed.pt"))
         print(f"  resumed at step {resumed['start']}")
         _print_losses(resumed["rows"])
-        same_losses = [r[1] for r in resumed["rows"]] == [r[1] for r in reference["rows"][resumed["start"]:]]
+        same_losses = [r[1] for r in resumed["rows"]] == [r[1] for r in reference["rows"][resumed["start"] :]]
         same_params = all(torch.equal(resumed["state"][k], reference["state"][k]) for k in reference["state"])
 
     final = f"{args.run_dir}/step-{args.steps}"
@@ -247,12 +250,14 @@ def main(argv: list[str] | None = None) -> int:
     target = f"{args.run_dir}/export"
     files = export(final, target, storage_options=args.storage_options)
     export_secs = time.perf_counter() - t0
-    doc = describe(open_checkpoint(final, args.storage_options))
+    doc = inspect(final, storage_options=args.storage_options)
     first, last = reference["rows"][0][1], reference["rows"][-1][1]
     print("\nsummary")
     print(f"  loss                      {first:.3f} -> {last:.3f} ({'down' if last < first else 'NOT down'})")
-    print(f"  resumed run == reference  losses {'identical' if same_losses else 'DIFFER'}, "
-          f"parameters {'bit-identical' if same_params else 'DIFFER'}")
+    print(
+        f"  resumed run == reference  losses {'identical' if same_losses else 'DIFFER'}, "
+        f"parameters {'bit-identical' if same_params else 'DIFFER'}"
+    )
     print(f"  checkpoint bytes per rank {doc['bytes_per_rank']}  (+ .metadata and manifest)")
     print(f"  save (median of {len(save_times)})    {sorted(save_times)[len(save_times) // 2]:.3f} s")
     print(f"  load (resume)             {resumed['load_secs']:.3f} s")

@@ -5,6 +5,7 @@ collects a module's parameters so it adds every parameter marked by ``dedicate_p
 keep calling ``fully_shard(layer, mesh=mesh)`` unchanged, however they imported it, because
 ``fully_shard`` looks the helper up in its module's globals on every call.
 """
+
 from __future__ import annotations
 
 import functools
@@ -12,9 +13,10 @@ import inspect
 
 import torch
 
+from .compat import FSDP_PATCH_MODULE as _TARGET_MODULE
+from .compat import FSDP_PATCH_TARGET as _TARGET_NAME
+
 DEDICATED_ATTR = "_dmuon_dedicated"
-_TARGET_MODULE = "torch.distributed.fsdp._fully_shard._fully_shard"
-_TARGET_NAME = "_get_modules_and_states"
 
 
 class FSDPPatchError(RuntimeError):

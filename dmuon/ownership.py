@@ -3,6 +3,7 @@
 Pure functions, no process groups: every rank calls :func:`assign_owners` with the same inputs and
 gets the same map, so no communication is needed to agree on owners.
 """
+
 from __future__ import annotations
 
 import re
@@ -27,9 +28,7 @@ def layer_key(fqn: str) -> str:
     return ".".join(parts[:-1])
 
 
-def assign_owners(
-    sizes: Sequence[tuple[str, int]], replicate_size: int, shard_size: int
-) -> dict[str, Slot]:
+def assign_owners(sizes: Sequence[tuple[str, int]], replicate_size: int, shard_size: int) -> dict[str, Slot]:
     """Greedy longest-processing-time assignment of parameters to (replicate, shard) slots.
 
     ``sizes`` lists ``(fqn, cost)`` in a rank-independent order (the model's parameter order).

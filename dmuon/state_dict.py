@@ -6,10 +6,11 @@ group, dedicated tensors point-to-point from their global owner), so other ranks
 more than one tensor beyond their own shards. ``set_*`` take the full dict on every rank and
 copy out the part each rank holds, without any communication.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -35,7 +36,7 @@ from .topology import current_rank as _rank
 def _single_shard_dim(tensor: DTensor) -> int | None:
     """Mesh dim of the only Shard(0) placement when all others are Replicate (FSDP2 / HSDP)."""
     shard_dims = [i for i, p in enumerate(tensor.placements) if isinstance(p, Shard)]
-    if len(shard_dims) != 1 or tensor.placements[shard_dims[0]].dim != 0:
+    if len(shard_dims) != 1 or cast(Shard, tensor.placements[shard_dims[0]]).dim != 0:
         return None
     if not all(isinstance(p, (Shard, Replicate)) for p in tensor.placements):
         return None
@@ -54,6 +55,7 @@ def _gather_dtensor_to_rank0(tensor: DTensor) -> torch.Tensor | None:
         raise RuntimeError("global rank 0 is not in the FSDP2 mesh; use rank0_only=False")
     coord0 = where0[0].tolist()
     mine = mesh.get_coordinate()
+    assert mine is not None  # every rank of an FSDP2 mesh has a coordinate
     if any(mine[i] != coord0[i] for i in range(mesh.ndim) if i != dim):
         return None  # another replica: rank 0's own replica has every shard
     group, k = mesh.get_group(dim), mesh.size(dim)
@@ -65,7 +67,7 @@ def _gather_dtensor_to_rank0(tensor: DTensor) -> torch.Tensor | None:
     is_dst = _rank() == 0
     bucket = [torch.empty_like(padded) for _ in range(k)] if is_dst else None
     dist.gather(padded, gather_list=bucket, group=group, group_dst=coord0[dim])
-    return torch.cat(bucket)[:rows] if is_dst else None
+    return torch.cat(bucket)[:rows] if bucket is not None else None
 
 
 def _full_tensor(tensor: torch.Tensor, rank0_only: bool) -> torch.Tensor | None:
@@ -106,7 +108,7 @@ def get_model_state_dict(
     for key, value in raw_state_dict(model).items():
         rec = dedicated.get(key)
         if rec is not None:
-            master = rec.master.detach() if rec.is_global_owner else None
+            master = rec.held_master.detach() if rec.is_global_owner else None
             full = from_global_owner(rec, master, rank0_only)
         else:
             full = _full_tensor(value.detach() if isinstance(value, torch.Tensor) else value, rank0_only)
@@ -154,7 +156,10 @@ def local_row_range(tensor: DTensor) -> tuple[int, int] | None:
     if dim is None:
         return None
     k = tensor.device_mesh.size(dim)
-    index = tensor.device_mesh.get_coordinate()[dim]
+    coordinate = tensor.device_mesh.get_coordinate()
+    if coordinate is None:
+        return None
+    index = coordinate[dim]
     rows = tensor.shape[0]
     chunk = -(-rows // k) if rows else 0
     start = min(index * chunk, rows)
@@ -184,7 +189,7 @@ def write_full_state(model: nn.Module, keys: Iterable[str], fetch: Fetch) -> Non
             rec = dedicated.get(key)
             if rec is not None:
                 if rec.holds_master:
-                    rec.master.copy_(fetch(key, None))
+                    rec.held_master.copy_(fetch(key, None))
             elif isinstance(target, DTensor) and (rows := local_row_range(target)) is not None:
                 target.to_local().copy_(fetch(key, rows))
             else:
@@ -208,21 +213,18 @@ def _copy_into(target: torch.Tensor, full: torch.Tensor) -> None:
         target.copy_(full)
 
 
-def set_model_state_dict(
-    model: nn.Module, state_dict: Mapping[str, torch.Tensor], *, strict: bool = True
-) -> None:
+def set_model_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor], *, strict: bool = True) -> None:
     """Load a full flat dict (ours, a plain ``model.state_dict()``, or HuggingFace weights).
 
     Every problem is collected and raised in one :class:`StateDictError` before any tensor is
     written. With ``strict=False`` missing and unexpected keys are skipped; wrong shapes never are.
     """
     _registry(model)  # drain before validating: nothing may race the writes below
-    check_fits(model, {k: tuple(v.shape) for k, v in state_dict.items()}, strict=strict,
-               what="set_model_state_dict")
+    check_fits(model, {k: tuple(v.shape) for k, v in state_dict.items()}, strict=strict, what="set_model_state_dict")
 
     def fetch(key: str, rows: tuple[int, int] | None) -> torch.Tensor:
         value = state_dict[key]
-        return value if rows is None else value[rows[0]:rows[1]]
+        return value if rows is None else value[rows[0] : rows[1]]
 
     write_full_state(model, state_dict.keys(), fetch)
 
@@ -254,7 +256,7 @@ def hyperparameters(optimizer: Muon) -> list[dict[str, Any]]:
     return [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
 
 
-def restore_hyperparameters(optimizer: Muon, groups: Mapping[str, Mapping[str, Any]]) -> None:
+def restore_hyperparameters(optimizer: Muon, groups: Mapping[str, dict[str, Any]]) -> None:
     """Apply saved hyper-parameters to the optimizer's groups, matched by group name."""
     for group in optimizer.param_groups:
         saved = groups.get(group["name"])

@@ -4,6 +4,7 @@ A dedicated parameter's owner is a slot ``(r, s)``. Every rank of shard column `
 master (it is the broadcast source for its own replica); only the rank at replica ``r``, the
 *global owner*, runs the optimizer on it.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -63,9 +64,7 @@ def resolve_topology(mesh: DeviceMesh, replicate_mesh: DeviceMesh | None = None)
             raise ValueError("pass either a 2-D mesh or a 1-D mesh plus replicate_mesh, not both")
         names = tuple(mesh.mesh_dim_names or ())
         if names != ("replicate", "shard"):
-            raise ValueError(
-                f'a 2-D mesh must have mesh_dim_names ("replicate", "shard"), got {names or None}'
-            )
+            raise ValueError(f'a 2-D mesh must have mesh_dim_names ("replicate", "shard"), got {names or None}')
         shard_mesh, replicate_mesh = mesh["shard"], mesh["replicate"]
     elif mesh.ndim == 1:
         shard_mesh = mesh
@@ -81,6 +80,7 @@ def resolve_topology(mesh: DeviceMesh, replicate_mesh: DeviceMesh | None = None)
     if replicate_group is None:
         rank_table: tuple[tuple[int, ...], ...] = (my_row,)
     else:
+        assert replicate_mesh is not None
         rows: list = [None] * replicate_mesh.size()
         dist.all_gather_object(rows, my_row, group=replicate_group)
         rank_table = tuple(tuple(row) for row in rows)

@@ -1,6 +1,9 @@
 """dmuon's DCP backend: owner-written sharded checkpoints on local disk, S3 and GCS."""
+
 from .api import load, save
+from .app_state import AppState, DedicatedEntry, DedicatedLayout
 from .async_checkpointer import AsyncCheckpointer, AsyncSaveHandle, async_checkpointer, async_save
+from .checkpoint import CheckpointListing, inspect, open_checkpoint, verify
 from .errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -15,8 +18,9 @@ from .errors import (
 from .export import export
 from .manager import CheckpointManager
 from .planner import DMuonLoadPlanner, DMuonSavePlanner
-from .state import AppState, DedicatedEntry, DedicatedLayout
-from .storage import DMuonStorageReader, DMuonStorageWriter
+from .reader import DMuonStorageReader
+from .store import RetryPolicy, Store, open_store, register_store, unregister_store
+from .writer import DMuonStorageWriter
 
 __all__ = [
     "AppState",
@@ -26,6 +30,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointExistsError",
     "CheckpointIncompleteError",
+    "CheckpointListing",
     "CheckpointManager",
     "CheckpointMismatchError",
     "CheckpointNotFoundError",
@@ -35,12 +40,20 @@ __all__ = [
     "DMuonStorageWriter",
     "DedicatedEntry",
     "DedicatedLayout",
+    "RetryPolicy",
     "SaveRefusedError",
     "StorageError",
+    "Store",
     "UnsafeCheckpointError",
     "async_checkpointer",
     "async_save",
     "export",
+    "inspect",
     "load",
+    "open_checkpoint",
+    "open_store",
+    "register_store",
     "save",
+    "unregister_store",
+    "verify",
 ]

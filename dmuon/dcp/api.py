@@ -1,4 +1,5 @@
 """One-call save / load / async_save of a dmuon model and optimizer through DCP."""
+
 from __future__ import annotations
 
 import logging
@@ -8,16 +9,19 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
+from ..compat import set_element
 from ..optim.muon import Muon
+from .app_state import AppState
 from .async_checkpointer import pending_async_saves
+from .checkpoint import open_checkpoint
 from .errors import from_checkpoint_exception
+from .format import EXTRA_SECTION
 from .planner import DMuonLoadPlanner, DMuonSavePlanner
-from .state import AppState
-from .storage import DMuonStorageReader, DMuonStorageWriter, open_checkpoint
+from .reader import DMuonStorageReader
+from .writer import DMuonStorageWriter
 
 log = logging.getLogger(__name__)
 
@@ -53,8 +57,9 @@ def save(
         pending.raise_pending_failure()
     state = AppState(model, optimizer, extra).state_dict()
     writer = DMuonStorageWriter(checkpoint_id, storage_options=storage_options, overwrite=overwrite)
-    run_checkpoint_op(dcp.save, state, storage_writer=writer, planner=DMuonSavePlanner(),
-                      what=f"save to {checkpoint_id}")
+    run_checkpoint_op(
+        dcp.save, state, storage_writer=writer, planner=DMuonSavePlanner(), what=f"save to {checkpoint_id}"
+    )
 
 
 def _extra_template(metadata: Metadata) -> dict:
@@ -63,7 +68,7 @@ def _extra_template(metadata: Metadata) -> dict:
     mappings = metadata.planner_data or {}
     for fqn, md in metadata.state_dict_metadata.items():
         path = mappings.get(fqn)
-        if not path or path[0] != "extra":
+        if not path or path[0] != EXTRA_SECTION:
             continue
         if isinstance(md, TensorStorageMetadata):
             value: Any = torch.empty(md.size, dtype=md.properties.dtype)
@@ -72,7 +77,7 @@ def _extra_template(metadata: Metadata) -> dict:
         else:  # pragma: no cover - future metadata kinds
             continue
         set_element(template, path, value)
-    return template.get("extra", {})
+    return template.get(EXTRA_SECTION, {})
 
 
 def load(
@@ -101,10 +106,9 @@ def load(
     state = app.state_dict()
     extra = _extra_template(listing.metadata)
     if extra:
-        state["extra"] = extra
+        state[EXTRA_SECTION] = extra
     reader = DMuonStorageReader(checkpoint_id, storage_options=storage_options, listing=listing)
     planner = DMuonLoadPlanner(allow_partial_load=allow_partial_load)
-    run_checkpoint_op(dcp.load, state, storage_reader=reader, planner=planner,
-                      what=f"load from {checkpoint_id}")
+    run_checkpoint_op(dcp.load, state, storage_reader=reader, planner=planner, what=f"load from {checkpoint_id}")
     app.load_state_dict(state)
     return app.loaded_extra

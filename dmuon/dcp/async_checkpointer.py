@@ -12,6 +12,7 @@ needs from it, on an object the caller owns:
 ``dmuon.dcp.async_save(model, ...)`` uses the checkpointer of that model (see
 :func:`async_checkpointer`); a :class:`~dmuon.dcp.CheckpointManager` owns its own.
 """
+
 from __future__ import annotations
 
 import concurrent.futures
@@ -26,10 +27,10 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from ..optim.muon import Muon
+from .app_state import AppState
 from .errors import CheckpointError, from_checkpoint_exception
 from .planner import DMuonSavePlanner
-from .state import AppState
-from .storage import DMuonStorageWriter
+from .writer import DMuonStorageWriter
 
 
 class AsyncSaveHandle:
@@ -70,8 +71,12 @@ def _staging_options() -> StagingOptions:
     """Pinned host memory where there is an accelerator to copy from; plain memory on CPU
     (torch's defaults need an accelerator and fail on a CPU-only machine)."""
     accelerator = torch.accelerator.is_available()
-    return StagingOptions(use_pinned_memory=accelerator, use_shared_memory=False,
-                          use_async_staging=False, use_non_blocking_copy=accelerator)
+    return StagingOptions(
+        use_pinned_memory=accelerator,
+        use_shared_memory=False,
+        use_async_staging=False,
+        use_non_blocking_copy=accelerator,
+    )
 
 
 class AsyncCheckpointer:
@@ -119,8 +124,10 @@ class AsyncCheckpointer:
             self._stager = DefaultStager(_staging_options())
         state = AppState(model, optimizer, extra).state_dict()
         writer = DMuonStorageWriter(checkpoint_id, storage_options=storage_options, overwrite=overwrite)
-        future = dcp.async_save(state, storage_writer=writer, planner=DMuonSavePlanner(),
-                                process_group=group, async_stager=self._stager)
+        future = dcp.async_save(
+            state, storage_writer=writer, planner=DMuonSavePlanner(), process_group=group, async_stager=self._stager
+        )
+        assert isinstance(future, concurrent.futures.Future)  # staging is synchronous here
         self._in_flight = AsyncSaveHandle(checkpoint_id, future)
         return self._in_flight
 
@@ -167,5 +174,6 @@ def async_save(
     group. One async save per model is in flight at a time: the next save waits for the
     previous one and raises its error if it failed unobserved.
     """
-    return async_checkpointer(model).save(model, optimizer, checkpoint_id, extra=extra,
-                                          storage_options=storage_options, overwrite=overwrite)
+    return async_checkpointer(model).save(
+        model, optimizer, checkpoint_id, extra=extra, storage_options=storage_options, overwrite=overwrite
+    )

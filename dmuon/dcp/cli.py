@@ -1,78 +1,25 @@
 """``dmuon-ckpt``: inspect, verify and export checkpoints (local paths or fsspec URLs)."""
+
 from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
-from collections import defaultdict
 
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
-
+from .checkpoint import inspect, open_checkpoint
 from .errors import CheckpointError
+from .export import release_freed_memory_promptly
+from .store import storage_options_from_pairs
 
-_RANK_OF_FILE = re.compile(r"^__(\d+)_")
-
-
-def parse_storage_options(pairs: list[str]) -> dict | None:
-    options = {}
-    for pair in pairs or []:
-        key, sep, value = pair.partition("=")
-        if not sep:
-            raise SystemExit(f"--storage-option expects key=value, got {pair!r}")
-        try:
-            options[key] = json.loads(value)
-        except ValueError:
-            options[key] = value
-    return options or None
-
-
-def describe(listing) -> dict:
-    """Everything ``inspect`` shows, as plain data."""
-    md = listing.metadata
-    info = listing.planner_info()
-    writers = info.get("writers", {})
-    owners = info.get("owners", {})
-    chunk_bytes: dict[str, int] = defaultdict(int)
-    for index, storage in md.storage_data.items():
-        chunk_bytes[index.fqn] += storage.length
-    tensors, objects = [], []
-    for fqn, item in md.state_dict_metadata.items():
-        if isinstance(item, TensorStorageMetadata):
-            tensors.append({
-                "key": fqn, "shape": list(item.size), "dtype": str(item.properties.dtype).replace("torch.", ""),
-                "bytes": chunk_bytes[fqn], "chunks": len(item.chunks),
-                "owner": owners.get(fqn), "written_by": writers.get(fqn),
-            })
-        elif isinstance(item, BytesStorageMetadata):
-            objects.append(fqn)
-    files = {name: size for name, size in sorted(listing.files.items())}
-    per_rank: dict[int, int] = defaultdict(int)
-    for name, size in files.items():
-        match = _RANK_OF_FILE.match(name)
-        if match:
-            per_rank[int(match.group(1))] += size
-    return {
-        "checkpoint": listing.store.url,
-        "committed": True,
-        "save_id": listing.manifest.get("save_id") if listing.manifest else None,
-        "verified_metadata": listing.manifest is not None,
-        "dmuon_version": info.get("dmuon_version"),
-        "torch_version": info.get("torch_version"),
-        "world_size": info.get("world_size"),
-        "topology": info.get("topology"),
-        "files": files,
-        "bytes_per_rank": dict(sorted(per_rank.items())),
-        "tensors": tensors,
-        "objects": objects,
-        "aliases": info.get("aliases", {}),
-    }
+__all__ = ["main"]
 
 
 def _print_inspect(doc: dict) -> None:
     print(f"checkpoint   {doc['checkpoint']}  (committed, save id {doc['save_id']})")
-    print(f"written by   dmuon {doc['dmuon_version']}, torch {doc['torch_version']}, "
-          f"world size {doc['world_size']}, topology {doc['topology']}")
+    print(
+        f"written by   dmuon {doc['dmuon_version']}, torch {doc['torch_version']}, "
+        f"world size {doc['world_size']}, topology {doc['topology']}"
+    )
     total = sum(doc["files"].values())
     print(f"files        {len(doc['files'])}, {total:,} bytes")
     for name, size in doc["files"].items():
@@ -84,8 +31,10 @@ def _print_inspect(doc: dict) -> None:
     width = max((len(t["key"]) for t in doc["tensors"]), default=10)
     for t in doc["tensors"]:
         owner = f" owner {tuple(t['owner'])} written by rank {t['written_by']}" if t["owner"] else ""
-        print(f"  {t['key']:<{width}} {str(tuple(t['shape'])):<16} {t['dtype']:<9} {t['bytes']:>12,} B "
-              f"{t['chunks']:>3} chunk(s){owner}")
+        print(
+            f"  {t['key']:<{width}} {tuple(t['shape'])!s:<16} {t['dtype']:<9} {t['bytes']:>12,} B "
+            f"{t['chunks']:>3} chunk(s){owner}"
+        )
     if doc["objects"]:
         print(f"objects      {', '.join(doc['objects'])}")
 
@@ -93,20 +42,34 @@ def _print_inspect(doc: dict) -> None:
 def _progress_bar(total: int):
     from tqdm import tqdm
 
-    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="verify",
-                disable=not sys.stderr.isatty(), file=sys.stderr)
+    return tqdm(
+        total=total,
+        unit="B",
+        unit_scale=True,
+        unit_divisor=1024,
+        desc="verify",
+        disable=not sys.stderr.isatty(),
+        file=sys.stderr,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dmuon-ckpt", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    for name, help_text in (("inspect", "show what a checkpoint holds"),
-                            ("verify", "re-read every file and check sizes and checksums"),
-                            ("export", "write safetensors or one flat .pt")):
+    for name, help_text in (
+        ("inspect", "show what a checkpoint holds"),
+        ("verify", "re-read every file and check sizes and checksums"),
+        ("export", "write safetensors or one flat .pt"),
+    ):
         cmd = sub.add_parser(name, help=help_text)
         cmd.add_argument("checkpoint")
-        cmd.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE",
-                         help="fsspec option for s3:// or gs:// (repeatable)")
+        cmd.add_argument(
+            "--storage-option",
+            action="append",
+            default=[],
+            metavar="KEY=VALUE",
+            help="fsspec option for s3:// or gs:// (repeatable)",
+        )
         if name == "inspect":
             cmd.add_argument("--json", action="store_true", help="machine-readable output")
         if name == "export":
@@ -115,35 +78,40 @@ def main(argv: list[str] | None = None) -> int:
             cmd.add_argument("--dtype", default=None, help="cast floating tensors, e.g. bfloat16")
             cmd.add_argument("--max-shard-size", default="5GB")
     args = parser.parse_args(argv)
-    options = parse_storage_options(args.storage_option)
-    from .storage import open_checkpoint
-
+    options = storage_options_from_pairs(args.storage_option)
     try:
         if args.command == "export":
             from .export import export
 
-            files = export(args.checkpoint, args.output, format=args.format, dtype=args.dtype,
-                           max_shard_size=args.max_shard_size, storage_options=options)
+            release_freed_memory_promptly()  # process-wide: fine in the CLI's own process
+            files = export(
+                args.checkpoint,
+                args.output,
+                format=args.format,
+                dtype=args.dtype,
+                max_shard_size=args.max_shard_size,
+                storage_options=options,
+            )
             for path in files:
                 print(path)
             return 0
         listing = open_checkpoint(args.checkpoint, options)
         if args.command == "inspect":
-            doc = describe(listing)
+            doc = inspect(listing)
             if args.json:
                 print(json.dumps(doc, indent=1))
             else:
                 _print_inspect(doc)
             return 0
-        total = sum(s["size"] for s in (listing.manifest or {"files": {}})["files"].values())
+        data_files = listing.manifest.files if listing.manifest else {}
+        total = sum(stats.size for stats in data_files.values())
         with _progress_bar(total) as bar:
             problems = listing.verify_files(bar.update)
         if problems:
             for problem in problems:
                 print(f"FAILED {listing.store.url}/{problem}", file=sys.stderr)
             return 1
-        print(f"OK {listing.store.url}: {len(listing.manifest['files'])} data files, {total:,} bytes, "
-              "checksums match")
+        print(f"OK {listing.store.url}: {len(data_files)} data files, {total:,} bytes, checksums match")
         return 0
     except (CheckpointError, OSError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)

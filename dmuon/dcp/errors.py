@@ -1,5 +1,6 @@
 """Checkpoint errors. All are ordinary Exceptions (torch's CheckpointException is a BaseException
 that ``except Exception`` misses; dmuon's API converts it into :class:`CheckpointError`)."""
+
 from __future__ import annotations
 
 

@@ -9,6 +9,7 @@ so they can lay out their headers before the first byte of data:
 * torch: the zip archive ``torch.save`` writes, with ``data.pkl`` pickled from shape-only
   stand-ins and each storage record written as its tensor arrives.
 """
+
 from __future__ import annotations
 
 import collections
@@ -24,14 +25,25 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 
+from ..compat import open_zipfile_writer, rebuild_tensor, storage_alignment, storage_type_names
+from .checkpoint import CheckpointListing, open_checkpoint
 from .hf import SAFETENSORS_DTYPES
-from .storage import CheckpointListing, open_checkpoint
-from .stores import is_remote
+from .store import is_remote
 
 MODEL_PREFIX = "model."
 
-_SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-               "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+_SIZE_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
 
 
 def parse_size(size: int | str) -> int:
@@ -46,10 +58,10 @@ def parse_size(size: int | str) -> int:
 
 @dataclass
 class ExportEntry:
-    key: str                 # output key (FQN without the "model." prefix)
-    source: str              # checkpoint key it is read from (an alias shares its source)
+    key: str  # output key (FQN without the "model." prefix)
+    source: str  # checkpoint key it is read from (an alias shares its source)
     shape: tuple[int, ...]
-    dtype: torch.dtype       # output dtype
+    dtype: torch.dtype  # output dtype
 
     @property
     def nbytes(self) -> int:
@@ -68,7 +80,7 @@ def model_entries(listing: CheckpointListing, dtype: torch.dtype | None = None) 
         md = stored[fqn]
         if fqn.startswith(MODEL_PREFIX) and isinstance(md, TensorStorageMetadata):
             out_dtype = dtype if (dtype is not None and md.properties.dtype.is_floating_point) else md.properties.dtype
-            entries.append(ExportEntry(fqn[len(MODEL_PREFIX):], fqn, tuple(md.size), out_dtype))
+            entries.append(ExportEntry(fqn[len(MODEL_PREFIX) :], fqn, tuple(md.size), out_dtype))
     by_source = {e.source: e for e in entries}
     for alias, canonical in listing.planner_info().get("aliases", {}).items():
         base = by_source.get(MODEL_PREFIX + canonical)
@@ -79,13 +91,16 @@ def model_entries(listing: CheckpointListing, dtype: torch.dtype | None = None) 
     return entries
 
 
-def read_full(listing: CheckpointListing, source: str, dtype: torch.dtype,
-              out: torch.Tensor | None = None) -> torch.Tensor:
+def read_full(
+    listing: CheckpointListing, source: str, dtype: torch.dtype, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """Assemble one tensor from all its stored chunks, cast chunk by chunk into ``dtype``.
 
     ``out``, when it has the right shape and dtype, is filled instead of a new allocation.
     """
     md = listing.metadata.state_dict_metadata[source]
+    if not isinstance(md, TensorStorageMetadata):
+        raise ValueError(f"{source} is not a tensor in {listing.store.url}")
     if out is None or tuple(out.shape) != tuple(md.size) or out.dtype != dtype:
         out = torch.empty(tuple(md.size), dtype=dtype)
     by_file: dict[str, list] = collections.defaultdict(list)
@@ -118,25 +133,33 @@ def _open_output(path: str, storage_options: dict | None):
 
 def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
     flat = tensor.contiguous().reshape(-1)
-    return memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
+    return memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")  # type: ignore[arg-type]
 
 
-def write_safetensors(path: str, entries: list[ExportEntry], tensors: Iterator[torch.Tensor],
-                      storage_options: dict | None, metadata: dict | None = None) -> None:
+def write_safetensors(
+    path: str,
+    entries: list[ExportEntry],
+    tensors: Iterator[torch.Tensor],
+    storage_options: dict | None,
+    metadata: dict | None = None,
+) -> None:
     header: dict = {"__metadata__": {"format": "pt", **(metadata or {})}}
     offset = 0
     for entry in entries:
         if entry.dtype not in SAFETENSORS_DTYPES:
             raise ValueError(f"{entry.key}: dtype {entry.dtype} has no safetensors equivalent")
-        header[entry.key] = {"dtype": SAFETENSORS_DTYPES[entry.dtype], "shape": list(entry.shape),
-                             "data_offsets": [offset, offset + entry.nbytes]}
+        header[entry.key] = {
+            "dtype": SAFETENSORS_DTYPES[entry.dtype],
+            "shape": list(entry.shape),
+            "data_offsets": [offset, offset + entry.nbytes],
+        }
         offset += entry.nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned
     with _open_output(path, storage_options) as out:
         out.write(len(raw).to_bytes(8, "little"))
         out.write(raw)
-        for entry, tensor in zip(entries, tensors):
+        for _entry, tensor in zip(entries, tensors):
             out.write(_tensor_bytes(tensor))
             del tensor  # before the next one is read (see _write_torch_records)
 
@@ -158,20 +181,23 @@ class _TensorStub:
         for size in reversed(self.shape):
             stride.append(step)
             step *= max(size, 1)
-        return (torch._utils._rebuild_tensor_v2,
-                (self.storage, 0, torch.Size(self.shape), tuple(reversed(stride)), False, collections.OrderedDict()))
+        return (
+            rebuild_tensor,
+            (self.storage, 0, torch.Size(self.shape), tuple(reversed(stride)), False, collections.OrderedDict()),
+        )
 
 
 class _StubPickler(pickle.Pickler):
     def persistent_id(self, obj):
         if isinstance(obj, _StorageStub):
-            storage_type = getattr(torch, torch.storage._dtype_to_storage_type_map()[obj.dtype])
+            storage_type = getattr(torch, storage_type_names()[obj.dtype])
             return ("storage", storage_type, obj.key, "cpu", obj.numel)
         return None
 
 
-def write_torch_file(path: str, entries: list[ExportEntry], tensors: Iterator[torch.Tensor],
-                     storage_options: dict | None) -> None:
+def write_torch_file(
+    path: str, entries: list[ExportEntry], tensors: Iterator[torch.Tensor], storage_options: dict | None
+) -> None:
     """A file ``torch.load(path, weights_only=True)`` reads as ``{key: tensor}``."""
     storages: dict[str, _StorageStub] = {}
     stubs = {}
@@ -194,12 +220,13 @@ def write_torch_file(path: str, entries: list[ExportEntry], tensors: Iterator[to
         _write_torch_records(path, pickled, storages, entries, tensors)
 
 
-def _write_torch_records(target, pickled: bytes, storages: dict, entries: list[ExportEntry],
-                         tensors: Iterator[torch.Tensor]) -> None:
-    with torch.serialization._open_zipfile_writer(target) as writer:
+def _write_torch_records(
+    target, pickled: bytes, storages: dict, entries: list[ExportEntry], tensors: Iterator[torch.Tensor]
+) -> None:
+    with open_zipfile_writer(target) as writer:
         writer.write_record("data.pkl", pickled, len(pickled))
         writer.write_record(".format_version", "1", 1)
-        alignment = str(torch.serialization._get_storage_alignment())
+        alignment = str(storage_alignment())
         writer.write_record(".storage_alignment", alignment, len(alignment))
         writer.write_record("byteorder", sys.byteorder, len(sys.byteorder))
         written = set()
@@ -218,15 +245,16 @@ def _write_torch_records(target, pickled: bytes, storages: dict, entries: list[E
 # ---------------------------------------------------------------------------------------------
 # export
 # ---------------------------------------------------------------------------------------------
-def _release_freed_tensors_promptly() -> None:
+def release_freed_memory_promptly() -> None:
     """Fix glibc's mmap threshold at 1 MiB for this process.
 
     By default glibc raises the threshold each time a large block is freed, after which
     tensor-sized blocks come from the heap and freed ones are not returned: reading and
     dropping one tensor after another then grows RSS by about a tensor per tensor. With a
     fixed threshold every block of 1 MiB or more is its own mapping, returned on free, and
-    export's memory stays at what is live. (Process-wide; harmless elsewhere: large blocks
-    simply stay mapped individually. No effect outside glibc.)
+    export's memory stays at what is live. Process-wide, so :func:`export` never calls it:
+    the ``dmuon-ckpt`` CLI does, in its own process; call it yourself in a process that only
+    exports. No effect outside glibc.
     """
     import ctypes
 
@@ -239,18 +267,26 @@ def _release_freed_tensors_promptly() -> None:
 def _progress(total_bytes: int, desc: str):
     from tqdm import tqdm
 
-    return tqdm(total=total_bytes, unit="B", unit_scale=True, unit_divisor=1024, desc=desc,
-                disable=not sys.stderr.isatty(), file=sys.stderr)
+    return tqdm(
+        total=total_bytes,
+        unit="B",
+        unit_scale=True,
+        unit_divisor=1024,
+        desc=desc,
+        disable=not sys.stderr.isatty(),
+        file=sys.stderr,
+    )
 
 
 def _stream(listing: CheckpointListing, entries: list[ExportEntry], bar) -> Iterator[torch.Tensor]:
     """Each entry's tensor, one at a time. The writers consume a tensor fully before asking
     for the next, so its buffer is refilled for the next tensor of the same shape and dtype
     (a model is mostly such runs): no allocation, no page faults."""
-    last_source, last = None, None
+    last_source: str | None = None
+    last: torch.Tensor | None = None
     for entry in entries:
-        if entry.source != last_source:
-            recycled, last, last_source = last, None, None
+        if last is None or entry.source != last_source:
+            recycled, last = last, None
             last = read_full(listing, entry.source, entry.dtype, out=recycled)
             del recycled
             last_source = entry.source
@@ -297,7 +333,6 @@ def export(
             raise ValueError(f"unknown dtype {dtype!r}")
     output = os.fspath(output)
     out_options = output_storage_options if output_storage_options is not None else storage_options
-    _release_freed_tensors_promptly()
     listing = open_checkpoint(checkpoint_id, storage_options)
     entries = model_entries(listing, dtype)
     total = sum(e.nbytes for e in entries)
@@ -325,4 +360,3 @@ def export(
     with _open_output(index_path, out_options) as out:
         out.write(json.dumps(index, indent=2).encode())
     return files + [index_path]
-

@@ -1,25 +1,65 @@
-"""The dmuon checkpoint format: every name and key layout a reader or writer relies on.
+"""The dmuon checkpoint format: every file name and key layout a reader or writer relies on.
 
-A dmuon checkpoint is a standard DCP checkpoint directory (or object-store prefix):
+Everything that names a file or a key is defined here and imported elsewhere.
 
-* ``.metadata`` -- torch's pickled ``Metadata``; written last, it is the commit marker.
-  ``Metadata.planner_data[RESERVED_KEY]`` holds dmuon's own description (format version,
-  topology at save, owner and writer of every dedicated tensor, tied aliases).
-* ``__<rank>_<save id>.distcp`` -- one data file per rank that had something to write: the
-  items of its write plan end to end, each a ``torch.save`` payload (tensors) or raw bytes.
-* ``.dmuon-manifest-<save id>.json`` -- sizes and checksums of every data file and item and of
-  the ``.metadata`` bytes (see ``integrity.py`` for its schema).
+A dmuon checkpoint is a standard DCP checkpoint, one directory (or object-store prefix):
 
-State-dict keys, after DCP's flattening (``AppState``):
+``.metadata``
+    torch's pickled ``Metadata``. Written last, atomically: it is the commit marker, and a
+    directory without it is an incomplete save. ``Metadata.planner_data[RESERVED_KEY]`` holds
+    dmuon's description of the save (:data:`FORMAT_VERSION`, topology, the owner and writer of
+    every dedicated tensor, tied aliases).
+``__<rank>_<save id>.distcp``
+    one data file per rank that had something to write: the items of its write plan end to
+    end, each a ``torch.save`` payload (tensors) or raw bytes (other objects).
+``.dmuon-manifest-<save id>.json``
+    the size and checksum of every data file item (the items tile each file) and of the
+    ``.metadata`` bytes, itself checksummed; schema in ``manifest.py``.
+``<one of the above>.tmp-<random>``
+    a file being put atomically (written, then renamed or linked into place).
 
-* ``model.<fqn>`` -- every parameter and persistent buffer, full logical shape;
-* ``optim.state.<fqn>.<name>`` -- optimizer state (``dmuon.optim.muon.STATE_FIELDS``);
+The save id is random per save: files of a new save never overwrite a committed one.
+
+State-dict keys, after DCP's flattening of an ``AppState``:
+
+* ``model.<fqn>`` -- every parameter and persistent buffer, full logical shape (a dedicated
+  weight as one chunk, tied aliases once under the first name);
+* ``optim.state.<fqn>.<name>`` -- optimizer state (names: ``dmuon.optim.muon.STATE_FIELDS``);
 * ``optim.param_groups.<group name>.<hyper-parameter>``;
 * ``extra.*`` -- whatever the caller passed.
+
+A HuggingFace export is ``model.safetensors``, or ``model-0000i-of-0000N.safetensors`` plus
+``model.safetensors.index.json`` (``metadata.total_size``, ``weight_map``).
 """
+
 from __future__ import annotations
 
-#: Key of dmuon's entry in ``Metadata.planner_data`` and of the dedicated-tensor layout that
+import re
+
+__all__ = [
+    "EXTRA_SECTION",
+    "FORMAT_VERSION",
+    "HF_INDEX_FILE",
+    "HF_SINGLE_FILE",
+    "METADATA",
+    "MODEL_PREFIX",
+    "MODEL_SECTION",
+    "OPTIM_PREFIX",
+    "OPTIM_SECTION",
+    "RESERVED_KEY",
+    "data_file_name",
+    "hf_shard_name",
+    "is_dmuon_file",
+    "is_manifest_name",
+    "manifest_name",
+    "rank_of_data_file",
+    "save_id_of_manifest",
+    "temp_name",
+]
+
+#: The commit marker (torch's metadata file name).
+METADATA = ".metadata"
+#: Key of dmuon's entry in ``Metadata.planner_data``, and of the dedicated-tensor layout an
 #: ``AppState`` puts next to its sections.
 RESERVED_KEY = "__dmuon__"
 #: Version of what dmuon records under ``RESERVED_KEY``.
@@ -30,3 +70,53 @@ OPTIM_SECTION = "optim"
 EXTRA_SECTION = "extra"
 MODEL_PREFIX = MODEL_SECTION + "."
 OPTIM_PREFIX = OPTIM_SECTION + "."
+
+_DATA_FILE = re.compile(r"^__(\d+)_([0-9A-Za-z]+)\.distcp$")
+_MANIFEST_PREFIX = ".dmuon-manifest-"
+_MANIFEST_FILE = re.compile(r"^\.dmuon-manifest-([0-9a-f]+)\.json$")
+_TEMP_SUFFIX = ".tmp-"
+_TEMP_FILE = re.compile(r"^(.+)\.tmp-[0-9a-f]+$")
+
+HF_SINGLE_FILE = "model.safetensors"
+HF_INDEX_FILE = "model.safetensors.index.json"
+
+
+def data_file_name(rank: int, save_id: str) -> str:
+    return f"__{rank}_{save_id}.distcp"
+
+
+def rank_of_data_file(name: str) -> int | None:
+    """The rank that wrote a data file, or None if ``name`` is not one."""
+    match = _DATA_FILE.match(name)
+    return int(match.group(1)) if match else None
+
+
+def manifest_name(save_id: str) -> str:
+    return f"{_MANIFEST_PREFIX}{save_id}.json"
+
+
+def is_manifest_name(name: str) -> bool:
+    return _MANIFEST_FILE.match(name) is not None
+
+
+def save_id_of_manifest(name: str) -> str | None:
+    match = _MANIFEST_FILE.match(name)
+    return match.group(1) if match else None
+
+
+def temp_name(name: str, token: str) -> str:
+    """Where ``name`` is written before it is moved into place (``token``: random hex)."""
+    return f"{name}{_TEMP_SUFFIX}{token}"
+
+
+def is_dmuon_file(name: str) -> bool:
+    """A file a dmuon save writes: data file, manifest, or a temporary one of .metadata or a
+    manifest. Garbage collection never touches anything else."""
+    if _DATA_FILE.match(name) or _MANIFEST_FILE.match(name):
+        return True
+    match = _TEMP_FILE.match(name)
+    return match is not None and (match.group(1) == METADATA or _MANIFEST_FILE.match(match.group(1)) is not None)
+
+
+def hf_shard_name(index: int, count: int) -> str:
+    return f"model-{index:05d}-of-{count:05d}.safetensors"

@@ -4,6 +4,7 @@ Each rank reads only the bytes it holds: owners their whole dedicated matrices, 
 their row range (safetensors stores tensors row-major, so a row range is one byte range).
 Works on local paths and fsspec URLs; the file's header is read once per file.
 """
+
 from __future__ import annotations
 
 import json
@@ -15,16 +16,24 @@ import torch
 from torch import nn
 
 from ..state_dict import StateDictError, check_fits, write_full_state
-from .stores import METADATA, checked_name, open_store
+from .format import HF_INDEX_FILE, HF_SINGLE_FILE, METADATA
+from .store import checked_name, open_store
 
 SAFETENSORS_DTYPES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-    torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
 }
 DTYPE_OF = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
 _MAX_HEADER = 100 * 2**20
 
 
@@ -51,7 +60,7 @@ def is_safetensors_checkpoint(checkpoint_id: str | os.PathLike, storage_options:
     if name is not None:
         return True
     files = open_store(directory, storage_options).list()
-    return METADATA not in files and (SINGLE_FILE in files or INDEX_FILE in files)
+    return METADATA not in files and (HF_SINGLE_FILE in files or HF_INDEX_FILE in files)
 
 
 def read_header(store, name: str) -> dict[str, TensorLocation]:
@@ -82,13 +91,13 @@ def safetensors_index(checkpoint_id: str | os.PathLike, storage_options: dict | 
     store = open_store(directory, storage_options)
     if name is None:
         files = store.list()
-        if INDEX_FILE in files:
-            weight_map = json.loads(store.read(INDEX_FILE))["weight_map"]
+        if HF_INDEX_FILE in files:
+            weight_map = json.loads(store.read(HF_INDEX_FILE))["weight_map"]
             names = sorted(set(weight_map.values()))
-        elif SINGLE_FILE in files:
-            names = [SINGLE_FILE]
+        elif HF_SINGLE_FILE in files:
+            names = [HF_SINGLE_FILE]
         else:
-            raise FileNotFoundError(f"{directory}: no {SINGLE_FILE} or {INDEX_FILE}")
+            raise FileNotFoundError(f"{directory}: no {HF_SINGLE_FILE} or {HF_INDEX_FILE}")
     else:
         names = [name]
     locations: dict[str, TensorLocation] = {}
@@ -108,15 +117,16 @@ def _read_rows(store, loc: TensorLocation, rows: tuple[int, int] | None) -> torc
         offset = loc.start + start * row_bytes if shape else loc.start
         with store.open_read(loc.file) as stream:
             stream.seek(offset)
-            view = memoryview(out.reshape(-1).view(torch.uint8).numpy())
+            view = memoryview(out.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
             got = stream.readinto(view)
         if got != nbytes:
             raise ValueError(f"{store.url}/{loc.file}: short read ({got} of {nbytes} bytes)")
     return out
 
 
-def load_safetensors(model: nn.Module, checkpoint_id: str | os.PathLike, *,
-                     storage_options: dict | None = None, strict: bool = True) -> None:
+def load_safetensors(
+    model: nn.Module, checkpoint_id: str | os.PathLike, *, storage_options: dict | None = None, strict: bool = True
+) -> None:
     """Collective in spirit (every rank calls it) but communication-free: each reads its part.
 
     Keys, shapes: checked for every key before anything is written. Dtypes may differ (bf16
@@ -124,8 +134,12 @@ def load_safetensors(model: nn.Module, checkpoint_id: str | os.PathLike, *,
     """
     store, locations = safetensors_index(checkpoint_id, storage_options)
     try:
-        check_fits(model, {k: loc.shape for k, loc in locations.items()}, strict=strict,
-                   what=f"load of {os.fspath(checkpoint_id)}")
+        check_fits(
+            model,
+            {k: loc.shape for k, loc in locations.items()},
+            strict=strict,
+            what=f"load of {os.fspath(checkpoint_id)}",
+        )
     except StateDictError as exc:
         from .errors import CheckpointMismatchError
 

@@ -1,4 +1,5 @@
 """Step-numbered checkpoints under one root, with retention and crash recovery."""
+
 from __future__ import annotations
 
 import logging
@@ -12,7 +13,8 @@ from ..topology import current_rank as _rank
 from . import api
 from .async_checkpointer import AsyncCheckpointer, AsyncSaveHandle
 from .errors import CheckpointCorruptError, CheckpointError, CheckpointIncompleteError
-from .stores import METADATA, open_store, remove_checkpoint
+from .format import METADATA
+from .store import open_store, remove_checkpoint
 
 log = logging.getLogger(__name__)
 _STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -26,13 +28,20 @@ class CheckpointManager:
     ``.metadata`` first, so an interrupted deletion can only leave an incomplete directory.
     """
 
-    def __init__(self, root: str | os.PathLike, *, keep_last: int = 3, async_save: bool = False,
-                 storage_options: dict | None = None) -> None:
+    def __init__(
+        self,
+        root: str | os.PathLike,
+        *,
+        keep_last: int = 3,
+        async_save: bool = False,
+        storage_options: dict | None = None,
+    ) -> None:
         if keep_last < 1:
             raise ValueError(f"keep_last must be >= 1, got {keep_last}")
         if async_save and keep_last < 2:
-            raise ValueError("with async_save, keep_last must be >= 2: the step being written "
-                             "cannot count as the only one kept")
+            raise ValueError(
+                "with async_save, keep_last must be >= 2: the step being written cannot count as the only one kept"
+            )
         self.root = os.fspath(root).rstrip("/")
         self.keep_last = keep_last
         self.async_save = async_save
@@ -55,8 +64,7 @@ class CheckpointManager:
 
     def steps(self) -> list[int]:
         """Committed steps, oldest first."""
-        return sorted(step for step, name in self._step_dirs().items()
-                      if METADATA in self.store.child(name).list())
+        return sorted(step for step, name in self._step_dirs().items() if METADATA in self.store.child(name).list())
 
     def _writing(self) -> int | None:
         if self._in_flight is not None and not self._in_flight[1].done():
@@ -69,9 +77,10 @@ class CheckpointManager:
             self._in_flight[1].wait()  # raises if the previous async save failed
             self._in_flight = None
         path = self.path(step)
-        if self.async_save:
-            handle = self.async_checkpointer.save(model, optimizer, path, extra=extra,
-                                                  storage_options=self.storage_options, overwrite=True)
+        if self.async_checkpointer is not None:
+            handle = self.async_checkpointer.save(
+                model, optimizer, path, extra=extra, storage_options=self.storage_options, overwrite=True
+            )
             self._in_flight = (step, handle)
         else:
             api.save(model, optimizer, path, extra=extra, storage_options=self.storage_options, overwrite=True)
@@ -98,9 +107,9 @@ class CheckpointManager:
         dirs = self._step_dirs()
         committed = [s for s in sorted(dirs) if METADATA in self.store.child(dirs[s]).list()]
         if writing is None:
-            keep = set(committed[-self.keep_last:])
+            keep = set(committed[-self.keep_last :])
         else:  # the step being written counts as one of the kept (keep_last >= 2 with async)
-            keep = set(committed[-(self.keep_last - 1):]) | {writing}
+            keep = set(committed[-(self.keep_last - 1) :]) | {writing}
         if committed:
             keep.add(committed[-1])  # the newest committed step, whatever else happens
         removed = []

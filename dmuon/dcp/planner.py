@@ -13,66 +13,67 @@ machinery plans them correctly. What dmuon's planners add:
 * the load planner checks every key's shape and dtype against the checkpoint on every rank and
   reports all mismatches at once, before any tensor is written (DCP casts dtypes silently).
 """
+
 from __future__ import annotations
 
 import dataclasses
 import heapq
 import io
+import itertools
 import logging
 from collections import ChainMap, defaultdict
+from collections.abc import Mapping
 from typing import Any
 
 import torch
-from torch.distributed._shard._utils import narrow_tensor_by_index
-from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans
-from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import (
-    create_default_global_save_plan,
+    DefaultLoadPlanner,
+    DefaultSavePlanner,
     create_default_local_load_plan,
-    create_default_local_save_plan,
 )
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     Metadata,
     TensorStorageMetadata,
 )
-from torch.distributed.checkpoint.planner import (
-    LoadPlan,
-    LoadPlanner,
-    ReadItem,
-    SavePlan,
-    SavePlanner,
-    WriteItem,
-    WriteItemType,
-)
-from torch.distributed.checkpoint.utils import find_state_dict_object
+from torch.distributed.checkpoint.planner import LoadPlan, ReadItem, SavePlan, WriteItem
 
 from .. import __version__
+from ..compat import set_element
 from ..dedicated import dedicated_value_problem, find_dedicated
 from ..optim.muon import SCALAR_DTYPE, STATE_FIELDS, state_field_shape
 from ..topology import current_rank
+from .app_state import DedicatedEntry, DedicatedLayout
 from .errors import CheckpointMismatchError, SaveRefusedError
-from .format import FORMAT_VERSION, MODEL_PREFIX, RESERVED_KEY
-from .state import DedicatedEntry, DedicatedLayout
+from .format import FORMAT_VERSION, MODEL_PREFIX, MODEL_SECTION, OPTIM_SECTION, RESERVED_KEY
 
 log = logging.getLogger(__name__)
 
 
-def _take_layouts(flat: dict[str, Any]) -> tuple[dict[str, Any], DedicatedLayout]:
-    """Split the :class:`DedicatedLayout` entries off a flattened state dict: the rest, and
-    one layout with absolute keys (``None`` topology when there was none)."""
-    regular: dict[str, Any] = {}
-    layout = DedicatedLayout()
-    for key, value in flat.items():
+def _find_layouts(state_dict: Mapping, prefix: str = "") -> dict[str, DedicatedLayout]:
+    """The :class:`DedicatedLayout` entries of a nested state dict, by their flattened key.
+
+    Looked up before torch's planners flatten the dict: their set-up replaces objects they do
+    not know (with None, on load).
+    """
+    found: dict[str, DedicatedLayout] = {}
+    for key, value in state_dict.items():
         if isinstance(value, DedicatedLayout):
-            prefix = key[: -len(RESERVED_KEY)]
-            layout.entries.update({prefix + rel: entry for rel, entry in value.entries.items()})
-            layout.order += [prefix + rel for rel in value.order]
-            layout.topology = value.topology
-        else:
-            regular[key] = value
-    return regular, layout
+            found[f"{prefix}{key}"] = value
+        elif isinstance(value, Mapping):
+            found.update(_find_layouts(value, f"{prefix}{key}."))
+    return found
+
+
+def _take_layouts(flat: dict[str, Any], layouts: dict[str, DedicatedLayout]) -> tuple[dict[str, Any], DedicatedLayout]:
+    """Drop the layout entries from a flattened state dict; one layout with absolute keys."""
+    layout = DedicatedLayout()
+    for key, value in layouts.items():
+        prefix = key[: -len(RESERVED_KEY)]
+        layout.entries.update({prefix + rel: entry for rel, entry in value.entries.items()})
+        layout.order += [prefix + rel for rel in value.order]
+        layout.topology = value.topology
+    return {k: v for k, v in flat.items() if k not in layouts}, layout
 
 
 def expected_dedicated(
@@ -104,7 +105,7 @@ def merge_key_orders(orders: list[list[str]]) -> list[str]:
     for order in orders:
         for key in order:
             first_seen.setdefault(key, len(first_seen))
-        for before, after in zip(order, order[1:]):
+        for before, after in itertools.pairwise(order):
             if after not in successors[before]:
                 successors[before].add(after)
                 indegree[after] += 1
@@ -128,16 +129,27 @@ def _chunk_key(item: WriteItem) -> tuple:
     return (item.index.fqn, tuple(item.index.offset or ()))
 
 
-class DMuonSavePlanner(SavePlanner):
-    def __init__(self, dedup_save_to_lowest_rank: bool = False) -> None:
-        self.dedup_save_to_lowest_rank = dedup_save_to_lowest_rank
+class DMuonSavePlanner(DefaultSavePlanner):
+    """torch's default save planner, plus: wrong entries under dedicated keys are refused
+    before anything is written; with an ``AppState`` layout, each dedicated tensor is written
+    by its global owner, exactly once, whole; dmuon's description of the save goes into the
+    metadata. ``enable_plan_caching`` is torch's: repeated saves of an unchanged layout skip
+    sending plans to the coordinator."""
+
+    def __init__(self, dedup_save_to_lowest_rank: bool = False, enable_plan_caching: bool = False) -> None:
+        super().__init__(
+            flatten_state_dict=True,
+            flatten_sharded_tensors=True,
+            dedup_save_to_lowest_rank=dedup_save_to_lowest_rank,
+            enable_plan_caching=enable_plan_caching,
+        )
 
     def set_up_planner(self, state_dict, storage_meta=None, is_coordinator: bool = False) -> None:
-        flat, mappings = flatten_state_dict(state_dict)
-        self.state_dict, layout = _take_layouts(flat)
+        layouts = _find_layouts(state_dict)
+        super().set_up_planner(state_dict, storage_meta, is_coordinator)
+        self.state_dict, layout = _take_layouts(self.state_dict, layouts)
+        self.mappings = {k: v for k, v in self.mappings.items() if k in self.state_dict}
         self.layout, self.topology, self.key_order = layout.entries, layout.topology, layout.order
-        self.mappings = {k: v for k, v in mappings.items() if k in self.state_dict}
-        self.is_coordinator = is_coordinator
         self.rank = current_rank()
 
     def _local_problems(self) -> list[str]:
@@ -152,20 +164,22 @@ class DMuonSavePlanner(SavePlanner):
                 problems.append(f"rank {self.rank}: {key!r} is {problem}")
         for key, entry in self.layout.items():
             if entry.writer == self.rank and key not in self.state_dict:
-                problems.append(f"rank {self.rank} must write dedicated tensor {key!r} but its state "
-                                "dict lacks it")
+                problems.append(f"rank {self.rank} must write dedicated tensor {key!r} but its state dict lacks it")
         return problems
 
     def create_local_plan(self) -> SavePlan:
         problems = self._local_problems()
         if problems:
             raise SaveRefusedError(problems)
-        mine = {k: v for k, v in self.state_dict.items()
-                if k not in self.layout or self.layout[k].writer == self.rank}
-        plan = create_default_local_save_plan(mine, self.is_coordinator)
-        plan = dataclasses.replace(plan, planner_data=self.mappings)
-        self.plan = plan
-        return plan
+        everything = self.state_dict
+        # HSDP replicas hold copies of a dedicated weight: only its writer plans it
+        self.state_dict = {
+            k: v for k, v in everything.items() if k not in self.layout or self.layout[k].writer == self.rank
+        }
+        try:
+            return super().create_local_plan()
+        finally:
+            self.state_dict = everything
 
     def _check(self, all_plans: list[SavePlan]) -> None:
         problems = []
@@ -192,6 +206,9 @@ class DMuonSavePlanner(SavePlanner):
                 problems.append(f"{fqn}: written by ranks {ranks}, expected exactly one (rank {entry.writer})")
                 continue
             rank, item = got[0]
+            if item.tensor_data is None:
+                problems.append(f"{fqn}: rank {rank} writes it as an object, not a tensor")
+                continue
             chunk = item.tensor_data.chunk
             if rank != entry.writer or any(chunk.offsets) or tuple(chunk.sizes) != tuple(entry.shape):
                 problems.append(
@@ -211,34 +228,26 @@ class DMuonSavePlanner(SavePlanner):
             "topology": {"replicate": topology[0], "shard": topology[1]} if topology else None,
             "owners": {fqn: list(e.owner) for fqn, e in self.layout.items() if fqn.startswith(MODEL_PREFIX)},
             "writers": {fqn: e.writer for fqn, e in self.layout.items()},
-            "aliases": {alias: fqn[len(MODEL_PREFIX):] for fqn, e in self.layout.items()
-                        if fqn.startswith(MODEL_PREFIX) for alias in e.aliases},
+            "aliases": {
+                alias: fqn[len(MODEL_PREFIX) :]
+                for fqn, e in self.layout.items()
+                if fqn.startswith(MODEL_PREFIX)
+                for alias in e.aliases
+            },
         }
 
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
-        self._check(all_plans)
-        deduped = dedup_save_plans(all_plans, self.dedup_save_to_lowest_rank)
-        global_plan, metadata = create_default_global_save_plan(deduped)
-        mappings = [p.planner_data for p in global_plan if p.planner_data]
+        if all(plan.usable for plan in all_plans):  # (cached, unchanged plans were checked before)
+            self._check(all_plans)
+        plans, metadata = super().create_global_plan(all_plans)
+        mappings = [p.planner_data for p in self.global_plan if p.planner_data]
         lookup = ChainMap(*mappings)
+        # no rank's dict has every key: merge their orders, the model's own order first
         order = merge_key_orders([self.key_order] + [list(m) for m in mappings])
         planner_data = {key: lookup[key] for key in order if key in lookup}
         planner_data[RESERVED_KEY] = self.describe()
-        metadata = dataclasses.replace(metadata, planner_data=planner_data)
-        self.global_plan, self.metadata = global_plan, metadata
-        return global_plan, metadata
-
-    def finish_plan(self, new_plan: SavePlan) -> SavePlan:
-        self.plan = new_plan
-        return new_plan
-
-    def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
-        obj = find_state_dict_object(self.state_dict, write_item.index)
-        if write_item.type == WriteItemType.BYTE_IO:
-            buffer = io.BytesIO()
-            torch.save(obj, buffer)
-            return buffer
-        return obj.detach() if isinstance(obj, torch.Tensor) else obj
+        self.metadata = dataclasses.replace(metadata, planner_data=planner_data)
+        return plans, self.metadata
 
 
 def _tensor_spec(value) -> tuple[tuple[int, ...], torch.dtype] | None:
@@ -252,23 +261,24 @@ def _describe_dtype(dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
-class DMuonLoadPlanner(LoadPlanner):
-    """Validates everything up front; ``allow_partial_load=True`` skips (and logs) what does not fit."""
+class DMuonLoadPlanner(DefaultLoadPlanner):
+    """torch's default load planner, plus: every key's shape and dtype is checked against the
+    checkpoint on every rank and all problems are reported at once, before any tensor is
+    written; non-tensor entries load with ``weights_only=True``. ``allow_partial_load=True``
+    skips (and logs) what does not fit instead."""
 
     def __init__(self, allow_partial_load: bool = False) -> None:
-        self.allow_partial_load = allow_partial_load
+        super().__init__(flatten_state_dict=True, flatten_sharded_tensors=True, allow_partial_load=allow_partial_load)
         self.skipped: list[str] = []
 
     def set_up_planner(self, state_dict, metadata: Metadata | None = None, is_coordinator: bool = False) -> None:
-        self.original_state_dict = state_dict
-        flat, self.mappings = flatten_state_dict(state_dict)
-        regular, layout_ = _take_layouts(flat)
+        layouts = _find_layouts(state_dict)
+        super().set_up_planner(state_dict, metadata, is_coordinator)
+        regular, layout_ = _take_layouts(self.state_dict, layouts)
         layout = layout_.entries
-        self.metadata = metadata
-        self.is_coordinator = is_coordinator
         # What every key should look like (for validation on every rank), and what this rank reads.
         self.expected: dict[str, tuple[tuple, torch.dtype] | None] = {}
-        self.state_dict: dict[str, Any] = {}
+        self.state_dict = {}
         self.refused: dict[str, str] = {}
         for fqn, value in regular.items():
             dedicated = expected_dedicated(fqn, layout)
@@ -284,6 +294,7 @@ class DMuonLoadPlanner(LoadPlanner):
 
     def _problems(self) -> dict[str, str]:
         problems: dict[str, str] = dict(self.refused)
+        assert self.metadata is not None
         stored = self.metadata.state_dict_metadata
         for fqn, want in self.expected.items():
             md = stored.get(fqn)
@@ -301,7 +312,8 @@ class DMuonLoadPlanner(LoadPlanner):
                     if md.size.numel() == 0 and expected_dedicated(fqn, {}) is not None:
                         problems[fqn] += (
                             " (the checkpoint holds an empty tensor for a dmuon dedicated weight: the "
-                            "save that wrote it lost the weight, so this checkpoint cannot restore it)")
+                            "save that wrote it lost the weight, so this checkpoint cannot restore it)"
+                        )
                 elif md.properties.dtype != dtype:
                     problems[fqn] = (
                         f"{fqn}: dtype {_describe_dtype(md.properties.dtype)} in the checkpoint, "
@@ -316,8 +328,10 @@ class DMuonLoadPlanner(LoadPlanner):
                 problems[fqn] = f"{fqn}: in the checkpoint but not in the model/optimizer being loaded"
             elif isinstance(md, TensorStorageMetadata) and tuple(md.size) != dedicated[0]:
                 # held by another rank here; every rank reports it all the same
-                problems[fqn] = (f"{fqn}: shape {tuple(md.size)} in the checkpoint, {dedicated[0]} in the "
-                                 "model (a dmuon dedicated weight held by another rank)")
+                problems[fqn] = (
+                    f"{fqn}: shape {tuple(md.size)} in the checkpoint, {dedicated[0]} in the "
+                    "model (a dmuon dedicated weight held by another rank)"
+                )
         return problems
 
     def _checked_sections(self) -> tuple[str, ...]:
@@ -330,7 +344,7 @@ class DMuonLoadPlanner(LoadPlanner):
         for fqn in self.expected:
             parts = fqn.split(".")
             for i, part in enumerate(parts[:-1]):
-                if part in ("model", "optim"):
+                if part in (MODEL_SECTION, OPTIM_SECTION):
                     sections.add(".".join(parts[: i + 1]) + ".")
                     break
         return tuple(sorted(sections))
@@ -348,23 +362,10 @@ class DMuonLoadPlanner(LoadPlanner):
                 self.state_dict.pop(fqn, None)
         return create_default_local_load_plan(self.state_dict, self.metadata, strict=True)
 
-    def create_global_plan(self, global_plan: list[LoadPlan]) -> list[LoadPlan]:
-        return global_plan
-
-    def finish_plan(self, central_plan: LoadPlan) -> LoadPlan:
-        return central_plan
-
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         # Non-tensor entries: plain data only, never arbitrary objects.
         obj = torch.load(value, weights_only=True)
         set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
 
-    def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
-        tensor = find_state_dict_object(self.state_dict, read_item.dest_index)
-        return narrow_tensor_by_index(tensor, read_item.dest_offsets, read_item.lengths)
 
-    def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
-        pass
-
-
-__all__ = ["DMuonLoadPlanner", "DMuonSavePlanner"]
+__all__ = ["DMuonLoadPlanner", "DMuonSavePlanner", "merge_key_orders"]

@@ -17,6 +17,7 @@ works through torch's entry points:
 Call ``dmuon.dedicate_params`` in your parallelize function before torchtitan's
 ``fully_shard`` calls, then build the optimizers with :func:`build_muon_optimizers`.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable

@@ -11,6 +11,7 @@ parameter. State is allocated eagerly so checkpoints always find it.
 :data:`STATE_FIELDS` is the one declaration of what each group keeps per parameter; the
 checkpoint code derives its keys and shapes from it.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -126,7 +127,8 @@ class Muon(torch.optim.Optimizer):
     def fresh_state(group_name: str, param: torch.Tensor) -> dict[str, torch.Tensor]:
         """Zero state for one parameter; also the template checkpoint loading fills in."""
         return {
-            name: torch.zeros((), dtype=SCALAR_DTYPE) if kind == "scalar"
+            name: torch.zeros((), dtype=SCALAR_DTYPE)
+            if kind == "scalar"
             else torch.zeros_like(param, memory_format=torch.preserve_format)
             for name, kind in STATE_FIELDS[group_name].items()
         }
@@ -170,8 +172,9 @@ class Muon(torch.optim.Optimizer):
         request = compat.state_dict_request("optim")
         if request is None or not request.full_state_dict:
             return out
-        positions = {id(p): i for i, p in enumerate(itertools.chain.from_iterable(
-            g["params"] for g in self.param_groups))}
+        positions = {
+            id(p): i for i, p in enumerate(itertools.chain.from_iterable(g["params"] for g in self.param_groups))
+        }
         for group in self.param_groups:
             for param in group["params"]:
                 rec = self.dedicated_of.get(id(param))
@@ -203,13 +206,16 @@ class Muon(torch.optim.Optimizer):
                 state_dict = result
         saved_groups = state_dict["param_groups"]
         if len(saved_groups) != len(self.param_groups):
-            raise ValueError(f"the state dict has {len(saved_groups)} param groups, the optimizer "
-                             f"{len(self.param_groups)}")
+            raise ValueError(
+                f"the state dict has {len(saved_groups)} param groups, the optimizer {len(self.param_groups)}"
+            )
         id_map: dict[Any, nn.Parameter] = {}
         for mine, saved in zip(self.param_groups, saved_groups):
             if len(saved["params"]) != len(mine["params"]):
-                raise ValueError(f"param group {mine['name']!r}: {len(saved['params'])} parameters in the "
-                                 f"state dict, {len(mine['params'])} in the optimizer")
+                raise ValueError(
+                    f"param group {mine['name']!r}: {len(saved['params'])} parameters in the "
+                    f"state dict, {len(mine['params'])} in the optimizer"
+                )
             id_map.update(zip(saved["params"], mine["params"]))
         problems: list[str] = []
         copies: list[tuple[torch.Tensor, Any]] = []
@@ -225,13 +231,16 @@ class Muon(torch.optim.Optimizer):
                 if value is None:
                     problems.append(f"{name_of}: no {field_name!r}")
                 elif isinstance(value, torch.Tensor) and tuple(value.shape) != tuple(target.shape):
-                    problems.append(f"{name_of}.{field_name}: shape {tuple(value.shape)}, "
-                                    f"expected {tuple(target.shape)}")
+                    problems.append(
+                        f"{name_of}.{field_name}: shape {tuple(value.shape)}, expected {tuple(target.shape)}"
+                    )
                 else:
                     copies.append((target, value))
         if problems:
-            raise ValueError("Muon.load_state_dict: the state dict does not fit the optimizer "
-                             "(nothing was loaded):\n  " + "\n  ".join(problems))
+            raise ValueError(
+                "Muon.load_state_dict: the state dict does not fit the optimizer "
+                "(nothing was loaded):\n  " + "\n  ".join(problems)
+            )
         with torch.no_grad():
             for target, value in copies:
                 if isinstance(value, torch.Tensor):

@@ -1,9 +1,10 @@
-"""Quintic Newton–Schulz iteration that maps a matrix to (approximately) its orthogonal factor.
+"""Quintic Newton-Schulz iteration that maps a matrix to (approximately) its orthogonal factor.
 
 The coefficients (3.4445, -4.7750, 2.0315) are the ones published with Muon by Keller Jordan:
 they push all singular values into roughly [0.7, 1.2] in five iterations rather than converging
 exactly, which is what the optimizer needs and costs a handful of matmuls.
 """
+
 from __future__ import annotations
 
 import torch

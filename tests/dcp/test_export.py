@@ -100,9 +100,10 @@ def big_save_worker(rank, world, path):
 
 
 MEASURE_EXPORT = """
-import resource, sys
-import dmuon.dcp as ddcp
-ddcp.export(sys.argv[1], sys.argv[2], format=sys.argv[3])
+import contextlib, io, resource, sys
+from dmuon.dcp.cli import main  # the offline converter, as users run it
+with contextlib.redirect_stdout(io.StringIO()):
+    assert main(["export", sys.argv[1], sys.argv[2], "--format", sys.argv[3]]) == 0
 print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
 """
 

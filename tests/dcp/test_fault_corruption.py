@@ -12,7 +12,7 @@ import torch
 
 import dmuon
 import dmuon.dcp as ddcp
-from dmuon.dcp.storage import open_checkpoint
+from dmuon.dcp.checkpoint import open_checkpoint
 from tests.helpers.launch import run_ranks
 from tests.helpers.training import build, train
 
@@ -94,37 +94,59 @@ def test_every_flip_and_truncation_is_detected_and_named(tmp_path, reliability_r
     assert counts["named_file"] == counts["trials"], res["misses"]
 
 
+def _manifest_name(path):
+    return next(f for f in os.listdir(path) if f.startswith(".dmuon-manifest-"))
+
+
 def _edit_manifest(path, edit):
-    """Change the manifest's file entries and re-sign it, as a forger (or an older dmuon) would."""
-    from dmuon.dcp.integrity import decode_manifest, encode_manifest
+    """Change the manifest's file entries and re-sign it, as a forger would."""
+    from dmuon.dcp.manifest import decode_manifest, encode_manifest
 
-    name = next(f for f in os.listdir(path) if f.startswith(".dmuon-manifest-"))
-    body = decode_manifest(name, (path / name).read_bytes())
-    edit(body["files"])
-    (path / name).write_bytes(encode_manifest(body["save_id"], body["files"], (path / ".metadata").read_bytes()))
+    name = _manifest_name(path)
+    manifest = decode_manifest(name, (path / name).read_bytes())
+    edit(manifest.files)
+    (path / name).write_bytes(encode_manifest(manifest))
 
 
-def test_verify_checks_whole_file_crcs_of_older_manifests_and_item_coverage(tmp_path):
+def _write_v1_manifest(path, wrong_whole_file_for=None):
+    """Replace the manifest by what dmuon 0.1's first releases wrote: version 1, zlib CRC-32 per
+    item and a whole-file CRC-32 per data file."""
+    import json
     import zlib
 
+    from dmuon.dcp.manifest import decode_manifest
+
+    name = _manifest_name(path)
+    current = decode_manifest(name, (path / name).read_bytes())
+    files = {}
+    for file, stats in current.files.items():
+        data = (path / file).read_bytes()
+        items = {str(o): [n, zlib.crc32(data[o:o + n])] for o, (n, _) in stats.items.items()}
+        whole = zlib.crc32(data) ^ (1 if file == wrong_whole_file_for else 0)
+        files[file] = {"size": stats.size, "crc32": whole, "items": items}
+    metadata = (path / ".metadata").read_bytes()
+    body = {"format": "dmuon-manifest/1", "save_id": current.save_id, "files": files,
+            "metadata": {"size": len(metadata), "crc32": zlib.crc32(metadata)}}
+    line = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+    (path / name).write_bytes(line + f"\ncrc32={zlib.crc32(line):08x}\n".encode())
+
+
+def test_verify_checks_version_1_manifests_and_item_coverage(tmp_path):
     path = tmp_path / "ckpt"
     run_ranks(save_worker, 2, str(path))
     assert open_checkpoint(str(path)).verify_files() == []
-
-    def whole_file_crcs(files, wrong_for=None):
-        for name, stats in files.items():
-            stats["crc32"] = zlib.crc32((path / name).read_bytes()) ^ (1 if name == wrong_for else 0)
-
-    _edit_manifest(path, whole_file_crcs)  # the earlier format: right values verify clean
-    assert open_checkpoint(str(path)).verify_files() == []
     victim = sorted(n for n in os.listdir(path) if n.endswith(".distcp"))[0]
-    _edit_manifest(path, lambda files: whole_file_crcs(files, wrong_for=victim))
+
+    _write_v1_manifest(path)  # the earlier format: right values verify clean
+    listing = open_checkpoint(str(path))
+    assert listing.manifest.version == "dmuon-manifest/1" and listing.verify_files() == []
+    _write_v1_manifest(path, wrong_whole_file_for=victim)  # its whole-file CRC is checked too
     problems = open_checkpoint(str(path)).verify_files()
     assert len(problems) == 1 and problems[0].startswith(f"{victim}: checksum mismatch"), problems
 
     def drop_an_item(files):
-        items = files[victim]["items"]
-        del items[sorted(items, key=int)[1]]
+        items = files[victim].items
+        del items[sorted(items)[1]]
 
     _edit_manifest(path, drop_an_item)  # bytes no CRC covers are refused, not skipped
     with pytest.raises(ddcp.CheckpointCorruptError, match=f"in {victim} does not match the manifest"):

@@ -13,8 +13,8 @@ import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 
 import dmuon.dcp as ddcp
-from dmuon.dcp.integrity import decode_manifest, encode_manifest
-from dmuon.dcp.storage import open_checkpoint
+from dmuon.dcp.manifest import checksum_of, decode_manifest, encode_manifest
+from dmuon.dcp.checkpoint import open_checkpoint
 from tests.helpers.launch import run_ranks
 from tests.helpers.training import build, train
 
@@ -39,9 +39,12 @@ def manifest_of(path):
 
 def rewrite(path, metadata_bytes, files=None):
     """Install new .metadata bytes with a manifest that vouches for them."""
-    name, body = manifest_of(path)
+    name, manifest = manifest_of(path)
     (path / ".metadata").write_bytes(metadata_bytes)
-    (path / name).write_bytes(encode_manifest(body["save_id"], files or body["files"], metadata_bytes))
+    manifest.files = files or manifest.files
+    manifest.metadata_size = len(metadata_bytes)
+    manifest.metadata_checksum = checksum_of(manifest.checksum, metadata_bytes)
+    (path / name).write_bytes(encode_manifest(manifest))
 
 
 class RunsCode:
@@ -122,14 +125,11 @@ def test_non_tensor_entry_that_unpickles_arbitrary_objects(pristine, tmp_path, r
     start = data_file.stat().st_size
     data_file.write_bytes(data_file.read_bytes() + evil)
     md.storage_data[index] = _StorageInfo(info.relative_path, start, len(evil))
-    name, body = manifest_of(target)
-    import zlib
-
-    stats = body["files"][info.relative_path]
-    stats["size"] = start + len(evil)
-    stats["crc32"] = zlib.crc32(data_file.read_bytes()) & 0xFFFFFFFF
-    stats["items"][str(start)] = [len(evil), zlib.crc32(evil) & 0xFFFFFFFF]
-    rewrite(target, pickle.dumps(md), body["files"])
+    name, manifest = manifest_of(target)
+    stats = manifest.files[info.relative_path]
+    stats.size = start + len(evil)
+    stats.items[start] = (len(evil), checksum_of(manifest.checksum, evil))
+    rewrite(target, pickle.dumps(md), manifest.files)
     errors = run_ranks(load_worker, 2, str(target))
     assert all(e and "weights_only" in e.lower() or "unpickl" in (e or "").lower() for e in errors), errors
     assert not marker.exists()

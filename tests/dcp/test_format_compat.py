@@ -41,9 +41,9 @@ def test_a_v0_1_checkpoint_loads_bit_exactly(tmp_path, world):
 def test_a_v0_1_checkpoint_verifies_and_exports(tmp_path):
     from safetensors.torch import load_file
 
-    listing = ddcp.verify(FIXTURE / "checkpoint") if hasattr(ddcp, "verify") else None
-    if listing is not None:
-        assert listing == []
+    assert ddcp.verify(FIXTURE / "checkpoint") == []
+    doc = ddcp.inspect(FIXTURE / "checkpoint")
+    assert doc["checksum"] == "crc32" and doc["topology"] == {"replicate": 1, "shard": 2}
     [out] = ddcp.export(FIXTURE / "checkpoint", tmp_path / "hf")
     expected = torch.load(FIXTURE / "expected.pt", weights_only=True)["model"]
     assert max_abs_diff(load_file(out), expected) == 0.0

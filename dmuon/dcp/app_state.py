@@ -9,6 +9,7 @@ then writes it whole. Next to the sections, under ``format.RESERVED_KEY``, a
 :class:`DedicatedLayout` tells dmuon's planners on *every* rank which keys are dedicated, their
 shapes and dtypes, and which rank writes each.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -29,9 +30,9 @@ class DedicatedEntry:
 
     shape: tuple[int, ...]
     dtype: torch.dtype
-    writer: int                       # global rank that saves it (the global owner)
-    owner: tuple[int, int]            # (replicate, shard) slot
-    aliases: tuple[str, ...] = ()     # other names of a tied parameter (saved once)
+    writer: int  # global rank that saves it (the global owner)
+    owner: tuple[int, int]  # (replicate, shard) slot
+    aliases: tuple[str, ...] = ()  # other names of a tied parameter (saved once)
 
 
 @dataclass
@@ -44,7 +45,7 @@ class DedicatedLayout:
     """
 
     entries: dict[str, DedicatedEntry] = field(default_factory=dict)
-    topology: tuple[int, int] = (1, 1)   # (replicate, shard) sizes at save
+    topology: tuple[int, int] = (1, 1)  # (replicate, shard) sizes at save
     order: list[str] = field(default_factory=list)  # the model section's keys, in model order
 
     def __create_write_items__(self, fqn: str, obj: Any):
@@ -56,7 +57,7 @@ class DedicatedLayout:
 
 
 def _entry(rec: DedicatedParam, shape, dtype: torch.dtype, aliases: tuple[str, ...] = ()) -> DedicatedEntry:
-    return DedicatedEntry(tuple(shape), dtype, rec.topo.global_rank(rec.owner), tuple(rec.owner), aliases)
+    return DedicatedEntry(tuple(shape), dtype, rec.topo.global_rank(rec.owner), rec.owner, aliases)
 
 
 def model_state(model: nn.Module, layout: DedicatedLayout) -> dict[str, Any]:
@@ -75,7 +76,7 @@ def model_state(model: nn.Module, layout: DedicatedLayout) -> dict[str, Any]:
         if rec is None:
             out[key] = value
         elif rec.holds_master:
-            out[key] = rec.master.detach()
+            out[key] = rec.held_master.detach()
     for rec in registry or ():
         aliases = tuple(a for a in rec.aliases if a != rec.fqn)
         layout.entries[f"{MODEL_SECTION}.{rec.fqn}"] = _entry(rec, rec.shape, rec.master_dtype, aliases)

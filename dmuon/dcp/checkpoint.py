@@ -1,0 +1,290 @@
+"""A committed checkpoint, opened safely: its files, verified metadata and manifest.
+
+:func:`open_checkpoint` lists the directory, refuses an uncommitted one, checks the
+``.metadata`` bytes against the manifest before unpickling them with an allow-listed
+unpickler, and checks that every byte range the metadata names lies inside a known file of
+the right size -- all before any data file is read. :class:`CheckpointListing` then reads
+single items, each checksummed as it is read. :func:`verify` re-reads every data file;
+:func:`inspect` describes a checkpoint as plain data.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import logging
+import os
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any, BinaryIO
+
+import torch
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorStorageMetadata,
+)
+
+from ..compat import StorageInfo
+from .errors import CheckpointCorruptError, CheckpointIncompleteError, CheckpointNotFoundError
+from .format import METADATA, RESERVED_KEY, is_manifest_name, rank_of_data_file
+from .manifest import CHECKSUMS, FileStats, Manifest, checksum_of, decode_manifest
+from .records import tensor_from_payload
+from .safe_metadata import load_metadata_bytes
+from .store import Store, checked_name, open_store
+
+__all__ = ["CheckpointListing", "inspect", "open_checkpoint", "verify"]
+
+log = logging.getLogger(__name__)
+_VERIFY_BLOCK = 8 << 20
+
+
+@dataclasses.dataclass
+class CheckpointListing:
+    """A committed checkpoint: its files, verified metadata and manifest; reads verified items."""
+
+    store: Store
+    files: dict[str, int]
+    metadata: Metadata
+    manifest: Manifest | None
+    manifest_file: str | None
+
+    def verify_item(self, name: str, info: StorageInfo, data: bytes, fqn: str) -> None:
+        if len(data) != info.length:
+            raise CheckpointCorruptError(
+                f"{self.store.url}/{name}: short read for {fqn} ({len(data)} of {info.length} bytes); "
+                "the file is truncated"
+            )
+        if self.manifest is None:
+            return
+        expected = self.manifest.files[name].items.get(info.offset)
+        if expected is None or expected[1] != checksum_of(self.manifest.checksum, data):
+            raise CheckpointCorruptError(
+                f"checksum mismatch in {self.store.url}/{name} at offset {info.offset} ({fqn}): "
+                "the data file is corrupted"
+            )
+
+    def read_item(self, index: MetadataIndex, stream: BinaryIO | None = None) -> bytes:
+        """The verified bytes of one stored item (a ``torch.save`` payload or raw bytes)."""
+        info = self.metadata.storage_data[index]
+        name = checked_name(info.relative_path)
+        with contextlib.ExitStack() as stack:
+            if stream is None:
+                stream = stack.enter_context(self.store.open_read(name))
+            stream.seek(info.offset)
+            data = stream.read(info.length)
+        self.verify_item(name, info, data, index.fqn)
+        return data
+
+    def read_tensor(self, index: MetadataIndex, stream: BinaryIO | None = None) -> torch.Tensor:
+        """One stored chunk as a tensor (a view over the verified bytes where possible)."""
+        data = self.read_item(index, stream)
+        md = self.metadata.state_dict_metadata.get(index.fqn)
+        offsets = tuple(index.offset or ())
+        if isinstance(md, TensorStorageMetadata):
+            chunk = next((c for c in md.chunks if tuple(c.offsets) == offsets), None)
+            if chunk is not None:
+                return tensor_from_payload(data, tuple(chunk.sizes), md.properties.dtype)
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+
+    def planner_info(self) -> dict:
+        """What dmuon's save planner recorded about the save (empty for other writers)."""
+        return (self.metadata.planner_data or {}).get(RESERVED_KEY, {})
+
+    def verify_files(self, progress: Callable[[int], Any] | None = None) -> list[str]:
+        """Re-read every data file in full and compare sizes and checksums with the manifest."""
+        if self.manifest is None:
+            return [f"{self.store.url}: no checksum manifest; nothing to verify against"]
+        problems = []
+        for name, stats in sorted(self.manifest.files.items()):
+            try:
+                with self.store.open_read(checked_name(name)) as stream:
+                    problem = _verify_stream(stream, stats, self.manifest.checksum, progress)
+            except FileNotFoundError:
+                problem = "missing"
+            if problem:
+                problems.append(f"{name}: {problem}")
+        return problems
+
+
+def _verify_stream(
+    stream: BinaryIO, stats: FileStats, kind: str, progress: Callable[[int], Any] | None = None
+) -> str | None:
+    """Read a data file once, checking its size and the checksum of every item (they tile the
+    file), and the whole-file CRC-32 that the oldest manifests carry."""
+    items = sorted((offset, length, checksum) for offset, (length, checksum) in stats.items.items())
+    end = 0
+    for offset, length, _ in items:
+        if offset != end:
+            return f"manifest items leave bytes {end}..{offset} uncovered"
+        end = offset + length
+    if end != stats.size:
+        return f"manifest items cover {end} bytes of {stats.size}"
+    update, whole_update = CHECKSUMS[kind], CHECKSUMS["crc32"]
+    pending = iter(items)
+    current = next(pending, None)
+    pos = running = whole = size = 0
+    bad_offsets = []
+    while chunk := stream.read(_VERIFY_BLOCK):
+        view = memoryview(chunk)
+        size += len(view)
+        if stats.whole_file is not None:
+            whole = whole_update(view, whole)
+        i = 0
+        while current is not None:
+            offset, length, expected = current
+            take = min(len(view) - i, offset + length - pos)
+            running = update(view[i : i + take], running)
+            i += take
+            pos += take
+            if pos < offset + length:
+                break  # the item continues in the next chunk
+            if running != expected:
+                bad_offsets.append(offset)
+            running = 0
+            current = next(pending, None)
+        if progress is not None:
+            progress(len(view))
+    if size != stats.size:
+        return f"{size} bytes, the manifest says {stats.size} (truncated or extended)"
+    if bad_offsets or (stats.whole_file is not None and whole != stats.whole_file):
+        where = f" in the item(s) at byte {', '.join(map(str, bad_offsets[:5]))}" if bad_offsets else ""
+        return f"checksum mismatch (corrupted){where}"
+    return None
+
+
+def _check_storage_ranges(files: dict[str, int], metadata: Metadata, manifest: Manifest | None, where: str):
+    """Every referenced file exists, is named safely, and holds the referenced byte ranges."""
+    for index, info in metadata.storage_data.items():
+        if not isinstance(info, StorageInfo):
+            raise CheckpointCorruptError(f"{where}: storage entry for {index.fqn} is not a file range")
+        name = checked_name(info.relative_path)
+        size = files.get(name)
+        if size is None:
+            raise CheckpointCorruptError(f"{where}: data file {name} (holding {index.fqn}) is missing")
+        if info.offset < 0 or info.length < 0 or info.offset + info.length > size:
+            raise CheckpointCorruptError(
+                f"{where}: {index.fqn} claims bytes {info.offset}..{info.offset + info.length} of {name}, "
+                f"which has {size} bytes"
+            )
+        if manifest is not None:
+            stats = manifest.files.get(name)
+            if stats is None:
+                raise CheckpointCorruptError(f"{where}: data file {name} is not in the checksum manifest")
+            if stats.size != size:
+                raise CheckpointCorruptError(
+                    f"{where}: data file {name} has {size} bytes, the manifest says {stats.size} (truncated?)"
+                )
+            if stats.items.get(info.offset, (None,))[0] != info.length:
+                raise CheckpointCorruptError(f"{where}: {index.fqn} in {name} does not match the manifest")
+
+
+def open_checkpoint(
+    checkpoint_id: str | os.PathLike, storage_options: dict | None = None, store: Store | None = None
+) -> CheckpointListing:
+    """List, verify and decode a checkpoint's metadata (no data file is read)."""
+    store = store or open_store(checkpoint_id, storage_options)
+    files = store.list()
+    where = store.url
+    if METADATA not in files:
+        if not files and not store.is_dir():
+            raise CheckpointNotFoundError(f"no checkpoint at {where}")
+        raise CheckpointIncompleteError(
+            f"{where} is incomplete: it has no .metadata (the save that wrote it did not finish); refusing to load it"
+        )
+    metadata_bytes = store.read(METADATA)
+    manifests = sorted(name for name in files if is_manifest_name(name))
+    manifest = manifest_file = None
+    corrupt_manifest = None
+    for name in manifests:
+        try:
+            candidate = decode_manifest(name, store.read(name))
+        except CheckpointCorruptError as exc:
+            corrupt_manifest = exc
+            continue
+        if candidate.describes_metadata(metadata_bytes):
+            manifest, manifest_file = candidate, name
+            break
+    if manifests and manifest is None:
+        if corrupt_manifest is not None and len(manifests) == 1:
+            raise corrupt_manifest
+        raise CheckpointCorruptError(
+            f"{where}: .metadata does not match its checksum manifest ({', '.join(manifests)}): .metadata is corrupted"
+        )
+    if not manifests:
+        log.warning("%s has no dmuon checksum manifest (not written by dmuon?): loading unverified", where)
+    metadata = load_metadata_bytes(metadata_bytes, where)
+    _check_storage_ranges(files, metadata, manifest, where)
+    return CheckpointListing(store, files, metadata, manifest, manifest_file)
+
+
+def verify(
+    checkpoint_id: str | os.PathLike,
+    *,
+    storage_options: dict | None = None,
+    progress: Callable[[int], Any] | None = None,
+) -> list[str]:
+    """Re-read every byte of a committed checkpoint; the problems found (empty: all good).
+
+    Raises like :func:`open_checkpoint` when the checkpoint is missing, uncommitted or its
+    metadata is damaged. ``progress(bytes)`` is called as data is read.
+    """
+    return open_checkpoint(checkpoint_id, storage_options).verify_files(progress)
+
+
+def inspect(
+    checkpoint_id: str | os.PathLike | CheckpointListing, *, storage_options: dict | None = None
+) -> dict[str, Any]:
+    """What a checkpoint holds, as plain data (the ``dmuon-ckpt inspect --json`` document)."""
+    listing = (
+        checkpoint_id
+        if isinstance(checkpoint_id, CheckpointListing)
+        else open_checkpoint(checkpoint_id, storage_options)
+    )
+    md = listing.metadata
+    info = listing.planner_info()
+    writers = info.get("writers", {})
+    owners = info.get("owners", {})
+    chunk_bytes: dict[str, int] = defaultdict(int)
+    for index, storage in md.storage_data.items():
+        chunk_bytes[index.fqn] += storage.length
+    tensors, objects = [], []
+    for fqn, item in md.state_dict_metadata.items():
+        if isinstance(item, TensorStorageMetadata):
+            tensors.append(
+                {
+                    "key": fqn,
+                    "shape": list(item.size),
+                    "dtype": str(item.properties.dtype).replace("torch.", ""),
+                    "bytes": chunk_bytes[fqn],
+                    "chunks": len(item.chunks),
+                    "owner": owners.get(fqn),
+                    "written_by": writers.get(fqn),
+                }
+            )
+        elif isinstance(item, BytesStorageMetadata):
+            objects.append(fqn)
+    files = {name: size for name, size in sorted(listing.files.items())}
+    per_rank: dict[int, int] = defaultdict(int)
+    for name, size in files.items():
+        rank = rank_of_data_file(name)
+        if rank is not None:
+            per_rank[rank] += size
+    return {
+        "checkpoint": listing.store.url,
+        "committed": True,
+        "save_id": listing.manifest.save_id if listing.manifest else None,
+        "verified_metadata": listing.manifest is not None,
+        "checksum": listing.manifest.checksum if listing.manifest else None,
+        "dmuon_version": info.get("dmuon_version"),
+        "torch_version": info.get("torch_version"),
+        "world_size": info.get("world_size"),
+        "topology": info.get("topology"),
+        "files": files,
+        "bytes_per_rank": dict(sorted(per_rank.items())),
+        "tensors": tensors,
+        "objects": objects,
+        "aliases": info.get("aliases", {}),
+    }

@@ -1,0 +1,215 @@
+"""A checkpoint directory on any fsspec filesystem: S3, GCS, Azure, memory, ...
+
+Object stores make each upload appear whole when it completes, so nothing here fsyncs. What
+this adds over plain fsspec: a conditional create for the commit (S3 ``If-None-Match``, GCS
+``ifGenerationMatch=0``) with a read-back that recognises one's own retried write, bounded
+client retries on S3, no partial object left by a failed upload, and large read-ahead.
+"""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import errno
+import os
+from collections.abc import Iterator
+from typing import BinaryIO
+
+from .store import RetryPolicy, checked_name, endpoint_unreachable, exception_chain
+
+__all__ = ["FsspecStore"]
+
+
+def _quiet_gcsfs_probe() -> None:
+    """gcsfs >= 2026 probes a gRPC API on first use unless told not to; against emulators and
+    many private endpoints that stalls every call for minutes. Set before gcsfs is imported,
+    only for ``gs://`` stores, and never over the user's own setting."""
+    os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+
+
+READ_BLOCK = 32 * 2**20
+_OBJECT_STORES = {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "oss", "r2"}
+
+
+S3_REQUEST_RETRIES = {"mode": "standard", "max_attempts": 3}
+
+
+def _bounded_s3_retries(url: str, options: dict) -> dict:
+    """Give botocore a retry policy with a known ceiling, unless the caller chose one.
+
+    botocore's default ("legacy") backs off by a random factor, and s3fs repeats each call five
+    times around it: a dead endpoint then took anywhere from 30 s to over 60 s to report.
+    "standard" mode (AWS's recommendation) still retries throttling, 5xx and resets, and, with
+    s3fs's own five, makes 15 tries per call within about half a minute. An explicit
+    ``config_kwargs["retries"]`` wins.
+    """
+    if url.split("://", 1)[0] not in ("s3", "s3a"):
+        return options
+    config = dict(options.get("config_kwargs") or {})
+    if "retries" in config:
+        return options
+    config["retries"] = dict(S3_REQUEST_RETRIES)
+    return {**options, "config_kwargs": config}
+
+
+class FsspecStore:
+    """Any fsspec filesystem. Objects appear whole on close; fsync would add nothing there."""
+
+    retry = RetryPolicy(attempts=4, backoff_s=0.5)
+
+    def __init__(self, url: str, storage_options: dict | None = None) -> None:
+        import fsspec
+
+        if url.split("://", 1)[0] in ("gs", "gcs"):
+            _quiet_gcsfs_probe()
+        fs, path = fsspec.core.url_to_fs(url, **_bounded_s3_retries(url, storage_options or {}))
+        self._attach(fs, path.rstrip("/"), url.rstrip("/"))
+
+    def _attach(self, fs, root: str, url: str) -> None:
+        self.fs, self.root, self.url = fs, root, url
+
+    @classmethod
+    def _on(cls, fs, root: str, url: str) -> FsspecStore:
+        """A store on an already connected filesystem (a child directory)."""
+        store = cls.__new__(cls)
+        store._attach(fs, root, url)
+        return store
+
+    def _path(self, name: str) -> str:
+        return f"{self.root}/{checked_name(name)}"
+
+    def makedirs(self) -> None:
+        # Object stores have no directories to create, and asking costs a request that, with
+        # the endpoint down, adds a whole retry cycle before the error surfaces.
+        protocols = self.fs.protocol if isinstance(self.fs.protocol, (tuple, list)) else (self.fs.protocol,)
+        if set(protocols) & _OBJECT_STORES:
+            return
+        with contextlib.suppress(FileExistsError):
+            self.fs.makedirs(self.root, exist_ok=True)
+
+    def is_dir(self) -> bool:
+        return bool(self.list()) or self.fs.isdir(self.root)
+
+    def list(self) -> dict[str, int]:
+        try:
+            self.fs.invalidate_cache(self.root)
+            entries = self.fs.ls(self.root, detail=True)
+        except FileNotFoundError:
+            return {}
+        out = {}
+        for entry in entries:
+            if entry.get("type") == "file":
+                out[entry["name"].rstrip("/").rsplit("/", 1)[-1]] = int(entry.get("size") or 0)
+        return out
+
+    @contextlib.contextmanager
+    def open_write(self, name: str) -> Iterator[BinaryIO]:
+        path = self._path(name)
+        f = self.fs.open(path, "wb")
+        try:
+            yield f
+            f.close()
+        except BaseException as exc:
+            # fsspec uploads whatever was buffered on close(); throw it away instead. With the
+            # endpoint unreachable, asking it to abort or delete would only wait out the client's
+            # retries once more: the leftovers are never committed, and a later save removes them.
+            reachable = not endpoint_unreachable(exc)
+            with contextlib.suppress(Exception):
+                if reachable and hasattr(f, "discard"):
+                    f.discard()
+                f.closed = True
+            if reachable:
+                with contextlib.suppress(Exception):
+                    self.fs.rm_file(path)
+            raise
+
+    def open_read(self, name: str) -> BinaryIO:
+        # Items are read in file order: a large read-ahead turns them into a few big GETs
+        # instead of one request per item (gcsfs's default makes hundreds per file).
+        return self.fs.open(self._path(name), "rb", block_size=READ_BLOCK, cache_type="readahead")
+
+    def read(self, name: str) -> bytes:
+        return self.fs.cat_file(self._path(name))
+
+    def put(self, name: str, data: bytes, *, exclusive: bool = False) -> None:
+        """One PUT: object stores make it appear whole or not at all.
+
+        ``exclusive`` is a conditional create (S3 ``If-None-Match``, GCS ``ifGenerationMatch=0``
+        through fsspec's ``mode="create"``). A refusal is checked by reading the object back:
+        when a retried request finds its own earlier, acknowledged-but-unanswered write there,
+        the commit did happen; anything else there means another writer won.
+        """
+        path = self._path(name)
+        if not exclusive:
+            self.fs.pipe_file(path, data)
+            return
+        try:
+            try:
+                self.fs.pipe_file(path, data, mode="create")
+            except (TypeError, NotImplementedError):  # no conditional create: check, then PUT
+                if self.fs.exists(path):
+                    raise FileExistsError(path) from None
+                self.fs.pipe_file(path, data)
+        except FileExistsError:
+            self._raise_unless_ours(path, data)
+        except OSError as exc:
+            if _is_precondition_failure(exc):
+                self._raise_unless_ours(path, data)
+            else:
+                raise
+
+    def _raise_unless_ours(self, path: str, data: bytes) -> None:
+        self.fs.invalidate_cache(self.root)
+        try:
+            if self.fs.cat_file(path) == data:
+                return
+        except FileNotFoundError:
+            pass
+        raise FileExistsError(f"{path}: another writer committed first")
+
+    def delete(self, name: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.rm_file(self._path(name))
+
+    def modified(self, name: str) -> float:
+        return self.fs.modified(self._path(name)).timestamp()
+
+    def child(self, name: str) -> FsspecStore:
+        return FsspecStore._on(self.fs, self._path(name), f"{self.url}/{checked_name(name)}")
+
+    def list_dirs(self) -> builtins.list[str]:
+        try:
+            self.fs.invalidate_cache(self.root)
+            entries = self.fs.ls(self.root, detail=True)
+        except FileNotFoundError:
+            return []
+        return [e["name"].rstrip("/").rsplit("/", 1)[-1] for e in entries if e.get("type") == "directory"]
+
+    def remove_tree(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.rm(self.root, recursive=True)
+
+
+def _is_precondition_failure(exc: BaseException) -> bool:
+    """Did a conditional create fail because the object exists?
+
+    Clients disagree on how to say so: gcsfs puts "precondition" in the message, s3fs maps
+    S3's 412 to ``OSError(EINVAL, None)`` and leaves the code only on the botocore error it
+    chains (Ceph RGW answers that way; SeaweedFS's message happens to name it). Look at the
+    whole chain, at status codes as well as text.
+    """
+    for link in exception_chain(exc):
+        if isinstance(link, OSError) and link.errno == errno.EEXIST:
+            return True
+        text = str(link).lower()
+        if "pre-condition" in text or "precondition" in text:
+            return True
+        response = getattr(link, "response", None)
+        if isinstance(response, dict):
+            error = response.get("Error") or {}
+            status = (response.get("ResponseMetadata") or {}).get("HTTPStatusCode")
+            if error.get("Code") in ("PreconditionFailed", "412") or status == 412:
+                return True
+        if getattr(link, "code", None) == 412 or getattr(link, "status", None) == 412:
+            return True
+    return False

@@ -1,0 +1,143 @@
+"""The checksum manifest: what every byte of a checkpoint must be.
+
+Written by the coordinator just before ``.metadata``; one line of JSON, then a line with the
+checksum of exactly that line, so any change to any byte of the manifest is detected.
+
+Version 2 (written since dmuon 0.2)::
+
+    {"format": "dmuon-manifest/2", "checksum": "crc32c", "save_id": "<hex>",
+     "metadata": {"size": <bytes of .metadata>, "checksum": <int>},
+     "files": {"<data file>": {"size": <bytes>, "items": {"<offset>": [<length>, <checksum>]}}}}
+    crc32c=<8 hex digits of the line above>
+
+The items of a file tile it end to end, so their checksums cover every byte once.
+
+Version 1 (dmuon 0.1) is still read: the same layout with zlib CRC-32 under ``crc32`` keys
+and a ``crc32=`` trailer; its oldest manifests also carry a whole-file ``crc32`` per file,
+which :class:`FileStats.whole_file` keeps for verification.
+"""
+
+from __future__ import annotations
+
+import json
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import crc32c as _crc32c_library
+
+from .errors import CheckpointCorruptError
+
+__all__ = ["CHECKSUMS", "FileStats", "Manifest", "checksum_of", "decode_manifest", "encode_manifest"]
+
+MANIFEST_V1 = "dmuon-manifest/1"
+MANIFEST_V2 = "dmuon-manifest/2"
+
+
+def _crc32(data, running: int = 0) -> int:
+    return zlib.crc32(data, running) & 0xFFFFFFFF
+
+
+def _crc32c(data, running: int = 0) -> int:
+    return _crc32c_library.crc32c(data, running)
+
+
+#: Checksum kinds by name: ``update(data, running) -> running``; start from 0. CRC-32C runs
+#: in hardware (SSE 4.2 / ARMv8 CRC) at several GiB/s, about 3x zlib's CRC-32 here.
+CHECKSUMS: dict[str, Callable[..., int]] = {"crc32": _crc32, "crc32c": _crc32c}
+WRITE_CHECKSUM = "crc32c"
+
+
+def checksum_of(kind: str, data) -> int:
+    return CHECKSUMS[kind](data, 0)
+
+
+@dataclass
+class FileStats:
+    size: int
+    items: dict[int, tuple[int, int]]  # offset -> (length, checksum)
+    whole_file: int | None = None  # version 1's oldest manifests only
+
+
+@dataclass
+class Manifest:
+    save_id: str
+    checksum: str  # a key of CHECKSUMS
+    metadata_size: int
+    metadata_checksum: int
+    files: dict[str, FileStats] = field(default_factory=dict)
+    version: str = MANIFEST_V2
+
+    def describes_metadata(self, metadata_bytes: bytes) -> bool:
+        return (
+            len(metadata_bytes) == self.metadata_size
+            and checksum_of(self.checksum, metadata_bytes) == self.metadata_checksum
+        )
+
+
+def encode_manifest(manifest: Manifest) -> bytes:
+    """Version 2, whatever version ``manifest`` was read as."""
+    body = {
+        "format": MANIFEST_V2,
+        "checksum": manifest.checksum,
+        "save_id": manifest.save_id,
+        "metadata": {"size": manifest.metadata_size, "checksum": manifest.metadata_checksum},
+        "files": {
+            name: {"size": stats.size, "items": {str(o): list(v) for o, v in sorted(stats.items.items())}}
+            for name, stats in manifest.files.items()
+        },
+    }
+    line = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+    return line + f"\ncrc32c={checksum_of('crc32c', line):08x}\n".encode()
+
+
+def decode_manifest(name: str, data: bytes) -> Manifest:
+    """Parse and check a manifest of either version; :class:`CheckpointCorruptError` if any
+    byte of it is wrong."""
+    line, _, rest = data.partition(b"\n")
+    trailers = {b"crc32c=": "crc32c", b"crc32=": "crc32"}
+    body = None
+    for prefix, kind in trailers.items():
+        if rest == prefix + f"{checksum_of(kind, line):08x}\n".encode():
+            try:
+                body = json.loads(line)
+            except (ValueError, UnicodeDecodeError):
+                body = None
+            break
+    try:
+        if isinstance(body, dict) and body.get("format") == MANIFEST_V2 and rest.startswith(b"crc32c="):
+            return _from_v2(body)
+        if isinstance(body, dict) and body.get("format") == MANIFEST_V1 and rest.startswith(b"crc32="):
+            return _from_v1(body)
+    except (KeyError, TypeError, ValueError):
+        pass
+    raise CheckpointCorruptError(f"checksum manifest {name} is corrupted (checksum or format mismatch)")
+
+
+def _from_v2(body: dict) -> Manifest:
+    if body["checksum"] not in CHECKSUMS:
+        raise ValueError(body["checksum"])
+    files = {
+        name: FileStats(int(stats["size"]), {int(o): (int(v[0]), int(v[1])) for o, v in stats["items"].items()})
+        for name, stats in body["files"].items()
+    }
+    return Manifest(
+        str(body["save_id"]),
+        body["checksum"],
+        int(body["metadata"]["size"]),
+        int(body["metadata"]["checksum"]),
+        files,
+        MANIFEST_V2,
+    )
+
+
+def _from_v1(body: dict) -> Manifest:
+    files = {
+        name: FileStats(
+            int(stats["size"]), {int(o): (int(v[0]), int(v[1])) for o, v in stats["items"].items()}, stats.get("crc32")
+        )
+        for name, stats in body["files"].items()
+    }
+    return Manifest(
+        str(body["save_id"]), "crc32", int(body["metadata"]["size"]), int(body["metadata"]["crc32"]), files, MANIFEST_V1
+    )

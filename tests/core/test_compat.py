@@ -1,0 +1,71 @@
+"""Each private torch name in dmuon/compat.py exists and behaves as dmuon relies on."""
+import importlib
+import inspect
+
+import torch
+
+from dmuon import compat
+from tests.helpers.launch import run_ranks
+
+
+def test_storage_info_is_a_file_range_torch_reads():
+    info = compat.StorageInfo("__0_x.distcp", 5, 7)
+    assert (info.relative_path, info.offset, info.length) == ("__0_x.distcp", 5, 7)
+    assert compat.CURRENT_DCP_VERSION.count(".") == 2
+
+
+def test_set_element_builds_nested_containers():
+    root: dict = {}
+    compat.set_element(root, ("extra", "loader", "epoch"), 3)
+    compat.set_element(root, ("extra", "rng", 1), 9)
+    assert root == {"extra": {"loader": {"epoch": 3}, "rng": [None, 9]}}
+
+
+def test_zipfile_writer_and_pickling_helpers_make_a_torch_load_able_file(tmp_path):
+    tensor = torch.arange(6, dtype=torch.float32).view(2, 3)
+    path = tmp_path / "t.pt"
+    storage_type = getattr(torch, compat.storage_type_names()[torch.float32])
+    assert storage_type is torch.FloatStorage
+    rebuilt = compat.rebuild_tensor(tensor.storage(), 0, (2, 3), (3, 1), False, {})
+    assert rebuilt.equal(tensor)
+    with compat.open_zipfile_writer(str(path)) as writer:
+        alignment = str(compat.storage_alignment())
+        writer.write_record(".storage_alignment", alignment, len(alignment))
+        assert int(alignment) >= 1
+    assert path.stat().st_size > 0
+
+
+def test_fsdp_patch_target_takes_ignored_params():
+    target = getattr(importlib.import_module(compat.FSDP_PATCH_MODULE), compat.FSDP_PATCH_TARGET)
+    assert "ignored_params" in inspect.signature(target).parameters
+
+
+def request_worker(rank, world):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    seen = []
+
+    class Probe(torch.nn.Linear):
+        def state_dict(self, *args, **kwargs):
+            seen.append(compat.state_dict_request("model"))
+            return super().state_dict(*args, **kwargs)
+
+    model = Probe(2, 2)
+    get_model_state_dict(model)
+    get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    model.state_dict()
+    return seen
+
+
+def test_state_dict_request_reads_the_options_torch_was_called_with():
+    seen = run_ranks(request_worker, 1)[0]
+    assert seen == [compat.StateDictRequest(False, False), compat.StateDictRequest(True, True), None]
+
+
+def test_compat_names_are_all_exercised():
+    tested = {"StorageInfo", "CURRENT_DCP_VERSION", "set_element", "open_zipfile_writer", "storage_alignment",
+              "rebuild_tensor", "storage_type_names", "FSDP_PATCH_MODULE", "FSDP_PATCH_TARGET",
+              "state_dict_request", "StateDictRequest"}
+    public = {n for n in vars(compat) if not n.startswith("_") and n[0].isalpha()} - {
+        "annotations", "dataclass", "sys", "torch", "CodeType", "TorchCompatError"}
+    assert public <= tested, public - tested
