@@ -102,15 +102,10 @@ set_element = _require(_dcp_traverse, "set_element")
 
 
 # ---------------------------------------------------------------------------------------------
-# torch.serialization: writing a file torch.load reads, one tensor at a time (export)
+# the torch.save format, which dmuon writes itself (dcp/torch_file.py)
 # ---------------------------------------------------------------------------------------------
-import torch.serialization as _serialization  # noqa: E402
 import torch.storage as _storage  # noqa: E402
 
-#: A zip writer that writes records (``write_record(name, data, nbytes)``) straight to a path.
-open_zipfile_writer = _require(_serialization, "_open_zipfile_writer")
-#: The byte alignment torch.save gives storage records.
-storage_alignment = _require(_serialization, "_get_storage_alignment")
 #: What a pickled tensor is rebuilt with (``torch.load`` allows it with ``weights_only``).
 rebuild_tensor = _require(torch._utils, "_rebuild_tensor_v2")
 #: dtype -> the name of its legacy typed storage class, as torch.save pickles it.

@@ -1,9 +1,17 @@
 #!/usr/bin/env bash
 # Installs dmuon with its test extras (local S3 and GCS servers included) and Ceph RGW, then
-# runs the suite.
+# runs the suite. Without root (or passwordless sudo) Ceph cannot be installed: its cases are
+# then skipped, said once here and in pytest's summary. DMUON_REQUIRE_ALL_STORES=1 (set by
+# .ci/run) makes a missing store an error instead.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh test
-bash scripts/install-ceph.sh  # Ceph RGW for the S3 tests (Debian packages)
+status=0
+bash scripts/install-ceph.sh || status=$?
+if [ "$status" = 3 ] && [ "${DMUON_REQUIRE_ALL_STORES:-0}" != 1 ]; then
+    echo "Ceph RGW is not installed (apt-get needs root): its S3 cases are skipped. Run as root, or with passwordless sudo, to include them."
+elif [ "$status" != 0 ]; then
+    exit "$status"
+fi
 export GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false  # gcsfs stalls on emulators without it
 exec .venv/bin/python -m pytest -q "$@"

@@ -31,9 +31,9 @@ from ..compat import StorageInfo
 from .errors import CheckpointCorruptError, CheckpointIncompleteError, CheckpointNotFoundError
 from .format import METADATA, RESERVED_KEY, is_manifest_name, rank_of_data_file
 from .manifest import CHECKSUMS, FileStats, Manifest, checksum_of, decode_manifest
-from .records import tensor_from_payload
 from .safe_metadata import load_metadata_bytes
 from .store import Store, checked_name, open_store
+from .torch_file import tensor_from_payload
 
 __all__ = ["CheckpointListing", "inspect", "open_checkpoint", "verify"]
 

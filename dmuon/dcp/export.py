@@ -16,7 +16,6 @@ import collections
 import json
 import math
 import os
-import pickle
 import re
 import sys
 from collections.abc import Iterator
@@ -25,12 +24,11 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 
-from ..compat import open_zipfile_writer, rebuild_tensor, storage_alignment, storage_type_names
 from .checkpoint import CheckpointListing, open_checkpoint
+from .format import HF_INDEX_FILE, HF_SINGLE_FILE, MODEL_PREFIX, hf_shard_name
 from .hf import SAFETENSORS_DTYPES
-from .store import is_remote
-
-MODEL_PREFIX = "model."
+from .store import Store, is_remote, open_store
+from .torch_file import SLICE, TorchFileWriter, pickled_tensors, tensor_memory, write_postamble, write_preamble
 
 _SIZE_UNITS = {
     "": 1,
@@ -122,25 +120,11 @@ def read_full(
 # ---------------------------------------------------------------------------------------------
 # output writers
 # ---------------------------------------------------------------------------------------------
-def _open_output(path: str, storage_options: dict | None):
-    if is_remote(path):
-        import fsspec
-
-        return fsspec.open(path, "wb", **(storage_options or {})).open()
-    os.makedirs(os.path.dirname(os.path.abspath(path)) or ".", exist_ok=True)
-    return open(path, "wb")
-
-
-def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
-    flat = tensor.contiguous().reshape(-1)
-    return memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")  # type: ignore[arg-type]
-
-
 def write_safetensors(
-    path: str,
+    store: Store,
+    name: str,
     entries: list[ExportEntry],
     tensors: Iterator[torch.Tensor],
-    storage_options: dict | None,
     metadata: dict | None = None,
 ) -> None:
     header: dict = {"__metadata__": {"format": "pt", **(metadata or {})}}
@@ -156,90 +140,39 @@ def write_safetensors(
         offset += entry.nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned
-    with _open_output(path, storage_options) as out:
+    with store.open_write(name) as out:
         out.write(len(raw).to_bytes(8, "little"))
         out.write(raw)
         for _entry, tensor in zip(entries, tensors):
-            out.write(_tensor_bytes(tensor))
-            del tensor  # before the next one is read (see _write_torch_records)
-
-
-class _StorageStub:
-    def __init__(self, key: str, dtype: torch.dtype, numel: int) -> None:
-        self.key, self.dtype, self.numel = key, dtype, numel
-
-
-class _TensorStub:
-    """Pickles exactly like a contiguous CPU tensor whose storage is ``storage``."""
-
-    def __init__(self, storage: _StorageStub, shape: tuple[int, ...]) -> None:
-        self.storage, self.shape = storage, shape
-
-    def __reduce_ex__(self, protocol):
-        stride = []
-        step = 1
-        for size in reversed(self.shape):
-            stride.append(step)
-            step *= max(size, 1)
-        return (
-            rebuild_tensor,
-            (self.storage, 0, torch.Size(self.shape), tuple(reversed(stride)), False, collections.OrderedDict()),
-        )
-
-
-class _StubPickler(pickle.Pickler):
-    def persistent_id(self, obj):
-        if isinstance(obj, _StorageStub):
-            storage_type = getattr(torch, storage_type_names()[obj.dtype])
-            return ("storage", storage_type, obj.key, "cpu", obj.numel)
-        return None
-
-
-def write_torch_file(
-    path: str, entries: list[ExportEntry], tensors: Iterator[torch.Tensor], storage_options: dict | None
-) -> None:
-    """A file ``torch.load(path, weights_only=True)`` reads as ``{key: tensor}``."""
-    storages: dict[str, _StorageStub] = {}
-    stubs = {}
-    for entry in entries:
-        if entry.source not in storages:
-            storages[entry.source] = _StorageStub(str(len(storages)), entry.dtype, math.prod(entry.shape))
-        stubs[entry.key] = _TensorStub(storages[entry.source], entry.shape)
-    import io
-
-    buffer = io.BytesIO()
-    _StubPickler(buffer, protocol=2).dump(stubs)
-    pickled = buffer.getvalue()
-    if is_remote(path):
-        with _open_output(path, storage_options) as out:
-            _write_torch_records(out, pickled, storages, entries, tensors)
-    else:
-        # torch's writer given a path writes straight to the file; given a Python stream it
-        # keeps far more in flight (a third of the model, measured)
-        os.makedirs(os.path.dirname(os.path.abspath(path)) or ".", exist_ok=True)
-        _write_torch_records(path, pickled, storages, entries, tensors)
-
-
-def _write_torch_records(
-    target, pickled: bytes, storages: dict, entries: list[ExportEntry], tensors: Iterator[torch.Tensor]
-) -> None:
-    with open_zipfile_writer(target) as writer:
-        writer.write_record("data.pkl", pickled, len(pickled))
-        writer.write_record(".format_version", "1", 1)
-        alignment = str(storage_alignment())
-        writer.write_record(".storage_alignment", alignment, len(alignment))
-        writer.write_record("byteorder", sys.byteorder, len(sys.byteorder))
-        written = set()
-        for entry, tensor in zip(entries, tensors):
-            stub = storages[entry.source]
-            if stub.key in written:
-                continue
-            data = tensor.contiguous()
-            writer.write_record(f"data/{stub.key}", data.untyped_storage(), data.untyped_storage().nbytes())
-            written.add(stub.key)
+            view = tensor_memory(tensor.contiguous())
+            for start in range(0, view.nbytes, SLICE):
+                out.write(view[start : start + SLICE])
             # Let go before the next tensor is read: allocating it while this one lives
             # fragments the heap, and RSS then climbs by a tensor per tensor.
-            del tensor, data
+            del tensor, view
+
+
+def write_torch_file(store: Store, name: str, entries: list[ExportEntry], tensors: Iterator[torch.Tensor]) -> None:
+    """A file ``torch.load(path, weights_only=True)`` reads as ``{key: tensor}``; tied
+    aliases share one storage, as in ``torch.save(model.state_dict())``."""
+    keys: dict[str, str] = {}
+    layout = {}
+    for entry in entries:
+        key = keys.setdefault(entry.source, str(len(keys)))
+        layout[entry.key] = (key, entry.dtype, entry.shape)
+    with store.open_write(name) as out:
+        writer = TorchFileWriter(out)
+        write_preamble(writer, pickled_tensors(layout))
+        written = set()
+        for entry, tensor in zip(entries, tensors):
+            key = keys[entry.source]
+            if key not in written:
+                view = tensor_memory(tensor.contiguous())
+                writer.write_record(f"data/{key}", view, align=True)
+                written.add(key)
+                del view
+            del tensor  # see write_safetensors
+        write_postamble(writer)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -306,8 +239,12 @@ def _shards(entries: list[ExportEntry], max_bytes: int) -> list[list[ExportEntry
     return shards
 
 
-def _join(base: str, name: str) -> str:
-    return f"{base.rstrip('/')}/{name}" if is_remote(base) else os.path.join(base, name)
+def _split_file(path: str) -> tuple[str, str]:
+    """(directory, file name) of an output file path or URL."""
+    head, _, name = path.rstrip("/").rpartition("/")
+    if not is_remote(path):
+        head, name = os.path.split(os.path.abspath(path))
+    return head, name
 
 
 def export(
@@ -337,26 +274,27 @@ def export(
     entries = model_entries(listing, dtype)
     total = sum(e.nbytes for e in entries)
     if format == "torch":
+        directory, name = _split_file(output)
+        store = open_store(directory, out_options)
+        store.makedirs()
         with _progress(total, "export .pt") as bar:
-            write_torch_file(output, entries, _stream(listing, entries, bar), out_options)
-        return [output]
+            write_torch_file(store, name, entries, _stream(listing, entries, bar))
+        return [f"{store.url}/{name}"]
     if format != "safetensors":
         raise ValueError(f"format must be 'safetensors' or 'torch', got {format!r}")
+    store = open_store(output, out_options)
+    store.makedirs()
     shards = _shards(entries, parse_size(max_shard_size))
-    files = []
     with _progress(total, "export safetensors") as bar:
         if len(shards) == 1:
-            name = "model.safetensors"
-            write_safetensors(_join(output, name), entries, _stream(listing, entries, bar), out_options)
-            return [_join(output, name)]
+            write_safetensors(store, HF_SINGLE_FILE, entries, _stream(listing, entries, bar))
+            return [f"{store.url}/{HF_SINGLE_FILE}"]
         weight_map = {}
         for i, shard in enumerate(shards, start=1):
-            name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-            write_safetensors(_join(output, name), shard, _stream(listing, shard, bar), out_options)
+            name = hf_shard_name(i, len(shards))
+            write_safetensors(store, name, shard, _stream(listing, shard, bar))
             weight_map.update({e.key: name for e in shard})
-            files.append(_join(output, name))
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    index_path = _join(output, "model.safetensors.index.json")
-    with _open_output(index_path, out_options) as out:
-        out.write(json.dumps(index, indent=2).encode())
-    return files + [index_path]
+    store.put(HF_INDEX_FILE, json.dumps(index, indent=2).encode())
+    names = sorted(set(weight_map.values())) + [HF_INDEX_FILE]
+    return [f"{store.url}/{name}" for name in names]

@@ -1,7 +1,8 @@
 """``DMuonStorageWriter``: DCP's storage writer over any store, with checksums and a safe commit.
 
 Each rank streams its items into one data file, computing a checksum per item as the bytes go
-out (items tile the file, so every byte is checksummed once, with no second read). The
+out (items tile the file, so every byte is checksummed once, with no second read). Tensors are
+written in ``torch.save``'s format by ``torch_file.py``, straight from their memory. The
 coordinator then commits (``commit.py``): manifest, then ``.metadata``. Knows nothing of models.
 """
 
@@ -27,6 +28,7 @@ from .errors import CheckpointExistsError
 from .format import METADATA, data_file_name
 from .manifest import CHECKSUMS, WRITE_CHECKSUM, FileStats, Manifest, checksum_of
 from .store import Store, open_store, retrying
+from .torch_file import write_tensor_payload
 
 __all__ = ["DMuonStorageWriter"]
 
@@ -58,14 +60,12 @@ class _ChecksummingStream:
         return self.pos
 
 
-def _cpu_compact(tensor: torch.Tensor) -> torch.Tensor:
-    """What torch.save should see: on CPU, contiguous, not a view into a larger storage."""
+def _cpu_contiguous(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's values in CPU memory, contiguous (no copy when it already is)."""
     tensor = tensor.detach()
     if tensor.device.type != "cpu":
         tensor = tensor.cpu()
-    if not tensor.is_contiguous() or tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
-        tensor = tensor.contiguous().clone()
-    return tensor
+    return tensor.contiguous()
 
 
 class DMuonStorageWriter(StorageWriter):
@@ -158,7 +158,7 @@ class DMuonStorageWriter(StorageWriter):
                 if isinstance(data, io.BytesIO):
                     stream.write(data.getbuffer())
                 else:
-                    torch.save(_cpu_compact(data), stream)  # type: ignore[arg-type]  # a write/flush/tell stream
+                    write_tensor_payload(stream, _cpu_contiguous(data))
                 length = stream.tell() - offset
                 checksums[offset] = (length, stream.item_checksum)
                 results.append(

@@ -1,0 +1,56 @@
+"""dmuon's writer of the torch.save format: torch.load reads it, zip readers parse it."""
+import io
+import zipfile
+
+import pytest
+import torch
+
+from dmuon.dcp import torch_file
+
+
+@pytest.mark.parametrize("tensor", [
+    torch.arange(12, dtype=torch.float32).view(3, 4),
+    torch.randn(5, 7).to(torch.bfloat16),
+    torch.tensor(3.5),
+    torch.empty(0, 4),
+    torch.arange(10, dtype=torch.int64),
+    torch.tensor([True, False, True]),
+], ids=["f32", "bf16", "scalar", "empty", "i64", "bool"])
+def test_a_written_payload_loads_with_torch_and_as_a_view(tensor):
+    out = io.BytesIO()
+    torch_file.write_tensor_payload(out, tensor)
+    data = out.getvalue()
+    assert torch.equal(torch.load(io.BytesIO(data), weights_only=True), tensor)
+    assert torch.equal(torch_file.tensor_from_payload(data, tuple(tensor.shape), tensor.dtype), tensor)
+    with zipfile.ZipFile(io.BytesIO(data)) as archive:
+        [record] = [i for i in archive.infolist() if "/data/" in i.filename]
+    start = torch_file.single_record_offset(data, tensor.numel() * tensor.element_size())
+    if tensor.numel():
+        assert start is not None and start % torch_file.STORAGE_ALIGNMENT == 0
+        assert record.file_size == tensor.numel() * tensor.element_size()
+
+
+def test_zip64_records_and_offsets_load(monkeypatch):
+    monkeypatch.setattr(torch_file, "_ZIP64_LIMIT", 64)  # every record and offset past "4 GiB"
+    tensor = torch.arange(100, dtype=torch.float32)
+    out = io.BytesIO()
+    torch_file.write_tensor_payload(out, tensor)
+    data = out.getvalue()
+    assert torch.equal(torch.load(io.BytesIO(data), weights_only=True), tensor)
+    assert torch.equal(torch_file.tensor_from_payload(data, (100,), torch.float32), tensor)
+
+
+def test_a_multi_tensor_file_with_shared_storages_loads():
+    a, b = torch.randn(4, 4), torch.arange(3.0)
+    out = io.BytesIO()
+    writer = torch_file.TorchFileWriter(out)
+    pickled = torch_file.pickled_tensors({"a": ("0", a.dtype, (4, 4)), "tied": ("0", a.dtype, (4, 4)),
+                                          "b": ("1", b.dtype, (3,))})
+    torch_file.write_preamble(writer, pickled)
+    writer.write_record("data/0", torch_file.tensor_memory(a), align=True)
+    writer.write_record("data/1", torch_file.tensor_memory(b), align=True)
+    torch_file.write_postamble(writer)
+    loaded = torch.load(io.BytesIO(out.getvalue()), weights_only=True)
+    assert list(loaded) == ["a", "tied", "b"]
+    assert torch.equal(loaded["a"], a) and torch.equal(loaded["tied"], a) and torch.equal(loaded["b"], b)
+    assert loaded["a"].untyped_storage().data_ptr() == loaded["tied"].untyped_storage().data_ptr()
