@@ -21,6 +21,19 @@ from types import CodeType, FrameType
 import torch
 import torch.distributed.checkpoint.state_dict as _torch_state_dict
 
+__all__ = [
+    "CURRENT_DCP_VERSION",
+    "FSDP_PATCH_MODULE",
+    "FSDP_PATCH_TARGET",
+    "StateDictRequest",
+    "StorageInfo",
+    "TorchCompatError",
+    "rebuild_tensor",
+    "set_element",
+    "state_dict_request",
+    "storage_type_names",
+]
+
 
 class TorchCompatError(ImportError):
     """The installed torch lacks a private name dmuon relies on."""

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Installs dmuon with its test extras (local S3 and GCS servers included) and Ceph RGW, then
-# runs the suite. Without root (or passwordless sudo) Ceph cannot be installed: its cases are
-# then skipped, said once here and in pytest's summary. DMUON_REQUIRE_ALL_STORES=1 (set by
-# .ci/run) makes a missing store an error instead.
+# Installs dmuon with its test extras (local S3 and GCS servers included) and Ceph RGW, runs
+# ruff and mypy over dmuon/ (scripts/lint.sh), then the suite. Without root (or passwordless
+# sudo) Ceph cannot be installed: its cases are then skipped, said once here and in pytest's
+# summary. DMUON_REQUIRE_ALL_STORES=1 (set by .ci/run) makes a missing store an error instead.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh test
@@ -13,5 +13,6 @@ if [ "$status" = 3 ] && [ "${DMUON_REQUIRE_ALL_STORES:-0}" != 1 ]; then
 elif [ "$status" != 0 ]; then
     exit "$status"
 fi
+bash scripts/lint.sh
 export GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false  # gcsfs stalls on emulators without it
 exec .venv/bin/python -m pytest -q "$@"
