@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.metadata import (
 from ..compat import StorageInfo
 from .errors import CheckpointCorruptError, CheckpointIncompleteError, CheckpointNotFoundError
 from .format import METADATA, RESERVED_KEY, is_manifest_name, rank_of_data_file
-from .manifest import CHECKSUMS, FileStats, Manifest, checksum_of, decode_manifest
+from .manifest import CHECKSUMS, FileStats, ItemChecksums, Manifest, checksum_of, decode_manifest
 from .safe_metadata import load_metadata_bytes
 from .store import Store, checked_name, open_store
 from .torch_file import tensor_from_payload
@@ -50,6 +50,7 @@ class CheckpointListing:
     metadata: Metadata
     manifest: Manifest | None
     manifest_file: str | None
+    bytes_read: int = 0  # data bytes read so far (checksummed, every one)
 
     def verify_item(self, name: str, info: StorageInfo, data: bytes, fqn: str) -> None:
         if len(data) != info.length:
@@ -59,8 +60,12 @@ class CheckpointListing:
             )
         if self.manifest is None:
             return
-        expected = self.manifest.files[name].items.get(info.offset)
-        if expected is None or expected[1] != checksum_of(self.manifest.checksum, data):
+        item = self.manifest.files[name].items.get(info.offset)
+        view = memoryview(data)
+        if item is None or any(
+            checksum_of(self.manifest.checksum, view[start : start + length]) != expected
+            for (start, length), expected in zip(item.segments(), item.checksums)
+        ):
             raise CheckpointCorruptError(
                 f"checksum mismatch in {self.store.url}/{name} at offset {info.offset} ({fqn}): "
                 "the data file is corrupted"
@@ -75,8 +80,87 @@ class CheckpointListing:
                 stream = stack.enter_context(self.store.open_read(name))
             stream.seek(info.offset)
             data = stream.read(info.length)
+        self.bytes_read += len(data)
         self.verify_item(name, info, data, index.fqn)
         return data
+
+    def data_blocks(self, index: MetadataIndex) -> ItemChecksums | None:
+        """The block layout of a tensor item's bytes, when the manifest has one (dmuon >= 0.2)."""
+        if self.manifest is None:
+            return None
+        info = self.metadata.storage_data[index]
+        item = self.manifest.files[info.relative_path].items.get(info.offset)
+        return item if item is not None and item.block > 0 else None
+
+    def verify_frame(self, index: MetadataIndex, stream: BinaryIO) -> None:
+        """Read and verify a tensor item's bytes around its data (the zip headers before it,
+        the central directory after it): a flipped byte anywhere in an item a load touches
+        is reported, even where the load itself would not use it. A few hundred bytes."""
+        info = self.metadata.storage_data[index]
+        item = self.data_blocks(index)
+        assert item is not None and self.manifest is not None
+        parts = [(0, item.head, item.checksums[0])] if item.head else []
+        if item.tail:
+            parts.append((item.length - item.tail, item.tail, item.checksums[-1]))
+        for start, length, expected in parts:
+            buffer = bytearray(length)
+            _read_exactly(stream, info.offset + start, memoryview(buffer), index.fqn)
+            self.bytes_read += length
+            if checksum_of(self.manifest.checksum, buffer) != expected:
+                raise CheckpointCorruptError(
+                    f"checksum mismatch in {self.store.url}/{info.relative_path} at offset {info.offset} "
+                    f"({index.fqn}): the data file is corrupted"
+                )
+
+    def read_data_into(self, index: MetadataIndex, stream: BinaryIO, start: int, out: memoryview) -> None:
+        """Bytes ``[start, start + len(out))`` of a tensor item's data, straight into ``out``.
+
+        Reads only the checksum blocks the range touches and verifies each of them: whole
+        blocks land in ``out`` directly, the partial ones at either end go through a small
+        buffer. The item must have a block layout (:meth:`data_blocks`).
+        """
+        info = self.metadata.storage_data[index]
+        item = self.data_blocks(index)
+        assert item is not None and self.manifest is not None
+        update = CHECKSUMS[self.manifest.checksum]
+        data_start = info.offset + item.head
+        data_len = item.length - item.head - item.tail
+        stop = start + out.nbytes
+        if start < 0 or stop > data_len:
+            raise CheckpointCorruptError(f"{index.fqn}: bytes {start}..{stop} requested of {data_len}")
+        first_checksum = 1 if item.head else 0
+        block = item.block
+        b = start // block
+        while b * block < stop:
+            b_start, b_stop = b * block, min((b + 1) * block, data_len)
+            run = b  # whole blocks inside [start, stop) go straight into ``out``, several per read
+            while run * block >= start and min((run + 1) * block, data_len) <= stop and run * block < stop:
+                run += 1
+            if run > b:
+                r_start, r_stop = b * block, min(run * block, data_len)
+                target = out[r_start - start : r_stop - start]
+                _read_exactly(stream, data_start + r_start, target, index.fqn)
+                for k in range(b, run):
+                    lo, hi = k * block - r_start, min((k + 1) * block, data_len) - r_start
+                    self._check_block(update(target[lo:hi], 0), item, first_checksum + k, index)
+                self.bytes_read += r_stop - r_start
+                b = run
+                continue
+            buffer = bytearray(b_stop - b_start)  # a block the range only partly covers
+            _read_exactly(stream, data_start + b_start, memoryview(buffer), index.fqn)
+            self._check_block(update(buffer, 0), item, first_checksum + b, index)
+            lo, hi = max(start, b_start), min(stop, b_stop)
+            out[lo - start : hi - start] = memoryview(buffer)[lo - b_start : hi - b_start]
+            self.bytes_read += b_stop - b_start
+            b += 1
+
+    def _check_block(self, got: int, item: ItemChecksums, position: int, index: MetadataIndex) -> None:
+        if got != item.checksums[position]:
+            info = self.metadata.storage_data[index]
+            raise CheckpointCorruptError(
+                f"checksum mismatch in {self.store.url}/{info.relative_path} in the item at offset "
+                f"{info.offset} ({index.fqn}): the data file is corrupted"
+            )
 
     def read_tensor(self, index: MetadataIndex, stream: BinaryIO | None = None) -> torch.Tensor:
         """One stored chunk as a tensor (a view over the verified bytes where possible)."""
@@ -112,21 +196,25 @@ class CheckpointListing:
 def _verify_stream(
     stream: BinaryIO, stats: FileStats, kind: str, progress: Callable[[int], Any] | None = None
 ) -> str | None:
-    """Read a data file once, checking its size and the checksum of every item (they tile the
-    file), and the whole-file CRC-32 that the oldest manifests carry."""
-    items = sorted((offset, length, checksum) for offset, (length, checksum) in stats.items.items())
+    """Read a data file once, checking its size and the checksum of every segment of every
+    item (they tile the file), and the whole-file CRC-32 that the oldest manifests carry."""
+    segments = []
     end = 0
-    for offset, length, _ in items:
+    for offset, item in sorted(stats.items.items()):
         if offset != end:
             return f"manifest items leave bytes {end}..{offset} uncovered"
-        end = offset + length
+        segments += [
+            (offset + start, length, expected, offset)
+            for (start, length), expected in zip(item.segments(), item.checksums)
+        ]
+        end = offset + item.length
     if end != stats.size:
         return f"manifest items cover {end} bytes of {stats.size}"
     update, whole_update = CHECKSUMS[kind], CHECKSUMS["crc32"]
-    pending = iter(items)
+    pending = iter(segments)
     current = next(pending, None)
     pos = running = whole = size = 0
-    bad_offsets = []
+    bad_offsets: list[int] = []
     while chunk := stream.read(_VERIFY_BLOCK):
         view = memoryview(chunk)
         size += len(view)
@@ -134,15 +222,15 @@ def _verify_stream(
             whole = whole_update(view, whole)
         i = 0
         while current is not None:
-            offset, length, expected = current
+            offset, length, expected, item_offset = current
             take = min(len(view) - i, offset + length - pos)
             running = update(view[i : i + take], running)
             i += take
             pos += take
             if pos < offset + length:
-                break  # the item continues in the next chunk
-            if running != expected:
-                bad_offsets.append(offset)
+                break  # the segment continues in the next chunk
+            if running != expected and item_offset not in bad_offsets:
+                bad_offsets.append(item_offset)
             running = 0
             current = next(pending, None)
         if progress is not None:
@@ -153,6 +241,16 @@ def _verify_stream(
         where = f" in the item(s) at byte {', '.join(map(str, bad_offsets[:5]))}" if bad_offsets else ""
         return f"checksum mismatch (corrupted){where}"
     return None
+
+
+def _read_exactly(stream: BinaryIO, offset: int, out: memoryview, fqn: str) -> None:
+    stream.seek(offset)
+    done = 0
+    while done < out.nbytes:
+        got = stream.readinto(out[done:])  # type: ignore[attr-defined]
+        if not got:
+            raise CheckpointCorruptError(f"short read for {fqn}: the data file is truncated")
+        done += got
 
 
 def _check_storage_ranges(files: dict[str, int], metadata: Metadata, manifest: Manifest | None, where: str):
@@ -177,7 +275,8 @@ def _check_storage_ranges(files: dict[str, int], metadata: Metadata, manifest: M
                 raise CheckpointCorruptError(
                     f"{where}: data file {name} has {size} bytes, the manifest says {stats.size} (truncated?)"
                 )
-            if stats.items.get(info.offset, (None,))[0] != info.length:
+            item = stats.items.get(info.offset)
+            if item is None or item.length != info.length:
                 raise CheckpointCorruptError(f"{where}: {index.fqn} in {name} does not match the manifest")
 
 

@@ -7,10 +7,16 @@ Version 2 (written since dmuon 0.2)::
 
     {"format": "dmuon-manifest/2", "checksum": "crc32c", "save_id": "<hex>",
      "metadata": {"size": <bytes of .metadata>, "checksum": <int>},
-     "files": {"<data file>": {"size": <bytes>, "items": {"<offset>": [<length>, <checksum>]}}}}
+     "files": {"<data file>": {"size": <bytes>,
+                               "items": {"<offset>": [<length>, <head>, <block>, <tail>, "<checksums>"]}}}}
     crc32c=<8 hex digits of the line above>
 
-The items of a file tile it end to end, so their checksums cover every byte once.
+The items of a file tile it end to end, and each item is cut into *segments* that tile it: a
+head of ``head`` bytes, then its data region in blocks of ``block`` bytes (the last one may be
+shorter), then a tail of ``tail`` bytes; ``<checksums>`` is the base64 of the little-endian
+uint32 checksums of the non-empty segments, in order. For a tensor the data region is exactly
+the tensor's bytes, so a reader that needs only some rows reads and verifies only the blocks
+holding them; an object is one head segment (``block`` 0). Every byte is covered once.
 
 Version 1 (dmuon 0.1) is still read: the same layout with zlib CRC-32 under ``crc32`` keys
 and a ``crc32=`` trailer; its oldest manifests also carry a whole-file ``crc32`` per file,
@@ -19,7 +25,9 @@ which :class:`FileStats.whole_file` keeps for verification.
 
 from __future__ import annotations
 
+import base64
 import json
+import struct
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -28,7 +36,16 @@ import crc32c as _crc32c_library
 
 from .errors import CheckpointCorruptError
 
-__all__ = ["CHECKSUMS", "FileStats", "Manifest", "checksum_of", "decode_manifest", "encode_manifest"]
+__all__ = [
+    "CHECKSUMS",
+    "FileStats",
+    "ItemChecksums",
+    "Manifest",
+    "block_size_for",
+    "checksum_of",
+    "decode_manifest",
+    "encode_manifest",
+]
 
 MANIFEST_V1 = "dmuon-manifest/1"
 MANIFEST_V2 = "dmuon-manifest/2"
@@ -48,14 +65,61 @@ CHECKSUMS: dict[str, Callable[..., int]] = {"crc32": _crc32, "crc32c": _crc32c}
 WRITE_CHECKSUM = "crc32c"
 
 
+MIN_BLOCK = 16 << 10
+MAX_BLOCKS_PER_ITEM = 1024
+
+
+def block_size_for(nbytes: int) -> int:
+    """Checksum block of a tensor's bytes: 16 KiB, doubled until an item has at most 1024
+    blocks. A reader that needs some rows reads at most one block more at each end, and the
+    manifest holds at most one checksum per 16 KiB."""
+    block = MIN_BLOCK
+    while nbytes > block * MAX_BLOCKS_PER_ITEM:
+        block *= 2
+    return block
+
+
 def checksum_of(kind: str, data) -> int:
     return CHECKSUMS[kind](data, 0)
 
 
 @dataclass
+class ItemChecksums:
+    """The checksummed segments of one item (see the module docstring)."""
+
+    length: int
+    head: int
+    block: int
+    tail: int
+    checksums: list[int]
+
+    @classmethod
+    def whole(cls, length: int, checksum: int) -> ItemChecksums:
+        return cls(length, length, 0, 0, [checksum])
+
+    def segments(self) -> list[tuple[int, int]]:
+        """``(offset in the item, length)`` of each checksummed segment, in order."""
+        out = [(0, self.head)] if self.head else []
+        data_end = self.length - self.tail
+        if self.block:
+            out += [(start, min(self.block, data_end - start)) for start in range(self.head, data_end, self.block)]
+        if self.tail:
+            out.append((data_end, self.tail))
+        return out
+
+    def consistent(self) -> bool:
+        if min(self.head, self.block, self.tail) < 0 or self.head + self.tail > self.length:
+            return False
+        if self.block == 0 and self.head + self.tail != self.length:
+            return False
+        segments = self.segments()
+        return sum(length for _, length in segments) == self.length and len(segments) == len(self.checksums)
+
+
+@dataclass
 class FileStats:
     size: int
-    items: dict[int, tuple[int, int]]  # offset -> (length, checksum)
+    items: dict[int, ItemChecksums]  # by offset in the file
     whole_file: int | None = None  # version 1's oldest manifests only
 
 
@@ -83,7 +147,7 @@ def encode_manifest(manifest: Manifest) -> bytes:
         "save_id": manifest.save_id,
         "metadata": {"size": manifest.metadata_size, "checksum": manifest.metadata_checksum},
         "files": {
-            name: {"size": stats.size, "items": {str(o): list(v) for o, v in sorted(stats.items.items())}}
+            name: {"size": stats.size, "items": {str(o): _encode_item(v) for o, v in sorted(stats.items.items())}}
             for name, stats in manifest.files.items()
         },
     }
@@ -114,11 +178,26 @@ def decode_manifest(name: str, data: bytes) -> Manifest:
     raise CheckpointCorruptError(f"checksum manifest {name} is corrupted (checksum or format mismatch)")
 
 
+def _encode_item(item: ItemChecksums) -> list:
+    packed = base64.b64encode(struct.pack(f"<{len(item.checksums)}I", *item.checksums)).decode()
+    return [item.length, item.head, item.block, item.tail, packed]
+
+
+def _decode_item(value: list) -> ItemChecksums:
+    length, head, block, tail, packed = value
+    raw = base64.b64decode(packed, validate=True)
+    checksums = list(struct.unpack(f"<{len(raw) // 4}I", raw))
+    item = ItemChecksums(int(length), int(head), int(block), int(tail), checksums)
+    if len(raw) % 4 or not item.consistent():
+        raise ValueError(f"inconsistent item {value!r}")
+    return item
+
+
 def _from_v2(body: dict) -> Manifest:
     if body["checksum"] not in CHECKSUMS:
         raise ValueError(body["checksum"])
     files = {
-        name: FileStats(int(stats["size"]), {int(o): (int(v[0]), int(v[1])) for o, v in stats["items"].items()})
+        name: FileStats(int(stats["size"]), {int(o): _decode_item(v) for o, v in stats["items"].items()})
         for name, stats in body["files"].items()
     }
     return Manifest(
@@ -134,7 +213,9 @@ def _from_v2(body: dict) -> Manifest:
 def _from_v1(body: dict) -> Manifest:
     files = {
         name: FileStats(
-            int(stats["size"]), {int(o): (int(v[0]), int(v[1])) for o, v in stats["items"].items()}, stats.get("crc32")
+            int(stats["size"]),
+            {int(o): ItemChecksums.whole(int(v[0]), int(v[1])) for o, v in stats["items"].items()},
+            stats.get("crc32"),
         )
         for name, stats in body["files"].items()
     }

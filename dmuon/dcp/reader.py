@@ -8,12 +8,13 @@ Knows nothing of models.
 from __future__ import annotations
 
 import io
+import math
 import os
 from collections import defaultdict
 from typing import Any, BinaryIO
 
 import torch
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
@@ -21,6 +22,7 @@ from torch.futures import Future
 from .checkpoint import CheckpointListing, open_checkpoint
 from .errors import CheckpointCorruptError
 from .store import checked_name, retrying
+from .torch_file import tensor_memory
 
 __all__ = ["DMuonStorageReader", "narrow_to"]
 
@@ -99,17 +101,53 @@ class DMuonStorageReader(StorageReader):
             for req in reqs:
                 planner.load_bytes(req, io.BytesIO(data))
             return
-        saved = listing.read_tensor(index, stream)
+        saved = None  # the whole item, read only when a request cannot be served directly
+        if listing.data_blocks(index) is not None:
+            listing.verify_frame(index, stream)
         for req in reqs:
-            piece = narrow_to(saved, req.storage_offsets, req.lengths)
             target = planner.resolve_tensor(req).detach()
-            if target.size() != piece.size():
+            if tuple(target.size()) != tuple(req.lengths):
                 raise CheckpointCorruptError(
-                    f"{req.storage_index.fqn}: stored chunk has shape {tuple(piece.size())}, "
+                    f"{req.storage_index.fqn}: stored region has shape {tuple(req.lengths)}, "
                     f"expected {tuple(target.size())}"
                 )
-            target.copy_(piece)
+            if not self._read_rows(listing, index, stream, req, target):
+                if saved is None:
+                    saved = listing.read_tensor(index, stream)
+                target.copy_(narrow_to(saved, req.storage_offsets, req.lengths))
             planner.commit_tensor(req, target)
+
+    @staticmethod
+    def _read_rows(listing: CheckpointListing, index: MetadataIndex, stream: BinaryIO, req, target) -> bool:
+        """Serve a request whose region is a range of whole rows of a stored chunk by reading
+        just those bytes (verified block by block) into the target: one copy, from storage to
+        the tensor, where the target is a contiguous CPU tensor of the stored dtype."""
+        md = listing.metadata.state_dict_metadata.get(index.fqn)
+        if not isinstance(md, TensorStorageMetadata) or listing.data_blocks(index) is None:
+            return False
+        offsets = tuple(index.offset or ())
+        chunk = next((c for c in md.chunks if tuple(c.offsets) == offsets), None)
+        if chunk is None:
+            return False
+        sizes, starts, lengths = tuple(chunk.sizes), tuple(req.storage_offsets), tuple(req.lengths)
+        if len(sizes) > 1 and (any(starts[1:]) or lengths[1:] != sizes[1:]):
+            return False  # not whole rows: not one byte range
+        dtype = md.properties.dtype
+        element = torch.empty((), dtype=dtype).element_size()
+        row_bytes = math.prod(sizes[1:]) * element
+        start = starts[0] * row_bytes if sizes else 0
+        if target.is_contiguous() and target.dtype == dtype and target.device.type == "cpu":
+            listing.read_data_into(index, stream, start, tensor_memory(target))
+        else:
+            staging = torch.empty(lengths, dtype=dtype)
+            listing.read_data_into(index, stream, start, tensor_memory(staging))
+            target.copy_(staging)
+        return True
+
+    @property
+    def bytes_read(self) -> int:
+        """Data bytes this reader has read so far (each one checksummed)."""
+        return self.listing.bytes_read if self.listing is not None else 0
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:

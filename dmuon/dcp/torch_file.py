@@ -28,6 +28,7 @@ import sys
 import warnings
 import zipfile
 import zlib
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -135,9 +136,15 @@ class TorchFileWriter:
             self.out.write(view[start : start + SLICE])
         self.pos += view.nbytes
 
-    def write_record(self, name: str, data, *, align: bool = False) -> None:
+    def write_record(
+        self, name: str, data, *, align: bool = False, block: int = 0, boundary: Callable[[], None] | None = None
+    ) -> None:
         """One record; ``align`` (storages) starts its bytes on a 64-byte boundary and leaves
-        its CRC field 0; small records get a real CRC-32, so any zip reader reads them."""
+        its CRC field 0; small records get a real CRC-32, so any zip reader reads them.
+
+        ``boundary()`` is called where the record's bytes start, after every ``block`` bytes
+        of them and where they end (a checksumming stream cuts its segments there).
+        """
         view = memoryview(data).cast("B")
         crc = 0 if align else zlib.crc32(view)
         size = view.nbytes
@@ -169,7 +176,14 @@ class TorchFileWriter:
             + full_name
             + extra
         )
-        self._write(view)
+        if boundary is None:
+            self._write(view)
+        else:
+            boundary()
+            step = block or max(size, 1)
+            for start in range(0, size, step):
+                self._write(view[start : start + step])
+                boundary()
         central_extra = b""
         fields = []
         if zip64:
@@ -242,11 +256,16 @@ def write_postamble(writer: TorchFileWriter) -> None:
     writer.close()
 
 
-def write_tensor_payload(out: Any, tensor: torch.Tensor) -> None:
-    """What ``torch.save(tensor, out)`` writes for a contiguous CPU tensor, minus zip CRCs."""
+def write_tensor_payload(
+    out: Any, tensor: torch.Tensor, *, block: int = 0, boundary: Callable[[], None] | None = None
+) -> None:
+    """What ``torch.save(tensor, out)`` writes for a contiguous CPU tensor, minus zip CRCs.
+
+    ``block``/``boundary``: see :meth:`TorchFileWriter.write_record` (for the storage record).
+    """
     writer = TorchFileWriter(out)
     write_preamble(writer, _pickled_tensor(tensor.dtype, tuple(tensor.shape)))
-    writer.write_record("data/0", tensor_memory(tensor), align=True)
+    writer.write_record("data/0", tensor_memory(tensor), align=True, block=block, boundary=boundary)
     write_postamble(writer)
 
 

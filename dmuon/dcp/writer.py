@@ -26,7 +26,7 @@ from ..topology import current_rank
 from .commit import commit, files_of_committed_saves
 from .errors import CheckpointExistsError
 from .format import METADATA, data_file_name
-from .manifest import CHECKSUMS, WRITE_CHECKSUM, FileStats, Manifest, checksum_of
+from .manifest import CHECKSUMS, WRITE_CHECKSUM, FileStats, ItemChecksums, Manifest, block_size_for, checksum_of
 from .store import Store, open_store, retrying
 from .torch_file import write_tensor_payload
 
@@ -38,26 +38,55 @@ _FILE_STATS = "__dmuon_file_stats__"
 
 
 class _ChecksummingStream:
-    """Forwards writes, counting bytes and keeping the running checksum of the current item."""
+    """Forwards writes, counting bytes and checksumming them in segments (``cut()`` ends one)."""
 
     def __init__(self, raw: BinaryIO, kind: str) -> None:
         self.raw = raw
         self.update = CHECKSUMS[kind]
         self.pos = 0
-        self.item_checksum = 0
+        self._running = 0
+        self._segment_start = 0
+        self.checksums: list[int] = []  # of the non-empty segments cut so far
 
     def write(self, data) -> int:
         view = memoryview(data).cast("B")
         self.raw.write(view)
-        self.item_checksum = self.update(view, self.item_checksum)
+        self._running = self.update(view, self._running)
         self.pos += view.nbytes
         return view.nbytes
+
+    def cut(self) -> None:
+        if self.pos > self._segment_start:
+            self.checksums.append(self._running)
+        self._segment_start = self.pos
+        self._running = 0
 
     def flush(self) -> None:
         self.raw.flush()
 
     def tell(self) -> int:
         return self.pos
+
+
+def _write_item(stream: _ChecksummingStream, data) -> ItemChecksums:
+    """One item at the stream's position; its segments' checksums, as the manifest keeps them."""
+    start, first = stream.tell(), len(stream.checksums)
+    if isinstance(data, io.BytesIO):
+        stream.write(data.getbuffer())
+        stream.cut()
+        return ItemChecksums(stream.tell() - start, stream.tell() - start, 0, 0, stream.checksums[first:])
+    tensor = _cpu_contiguous(data)
+    block = block_size_for(tensor.numel() * tensor.element_size())
+    marks: list[int] = []
+
+    def boundary() -> None:
+        stream.cut()
+        marks.append(stream.tell())
+
+    write_tensor_payload(stream, tensor, block=block, boundary=boundary)
+    stream.cut()
+    end = stream.tell()
+    return ItemChecksums(end - start, marks[0] - start, block, end - marks[-1], stream.checksums[first:])
 
 
 def _cpu_contiguous(tensor: torch.Tensor) -> torch.Tensor:
@@ -146,21 +175,15 @@ class DMuonStorageWriter(StorageWriter):
     def _write_file(self, name: str, items, planner: SavePlanner) -> list[WriteResult]:
         """One rank's data file, start to end (so a failed attempt can simply be redone)."""
         results = []
-        checksums: dict[int, tuple[int, int]] = {}
+        checksums: dict[int, ItemChecksums] = {}
         # bytes first (small), then tensors in plan order
         items = sorted(items, key=lambda item: item.type != WriteItemType.BYTE_IO)
         with self._store().open_write(name) as raw:
             stream = _ChecksummingStream(raw, WRITE_CHECKSUM)
             for item in items:
-                data = planner.resolve_data(item)
                 offset = stream.tell()
-                stream.item_checksum = 0
-                if isinstance(data, io.BytesIO):
-                    stream.write(data.getbuffer())
-                else:
-                    write_tensor_payload(stream, _cpu_contiguous(data))
-                length = stream.tell() - offset
-                checksums[offset] = (length, stream.item_checksum)
+                checksums[offset] = _write_item(stream, planner.resolve_data(item))
+                length = checksums[offset].length
                 results.append(
                     WriteResult(index=item.index, size_in_bytes=length, storage_data=StorageInfo(name, offset, length))
                 )

@@ -121,7 +121,7 @@ def _write_v1_manifest(path, wrong_whole_file_for=None):
     files = {}
     for file, stats in current.files.items():
         data = (path / file).read_bytes()
-        items = {str(o): [n, zlib.crc32(data[o:o + n])] for o, (n, _) in stats.items.items()}
+        items = {str(o): [it.length, zlib.crc32(data[o:o + it.length])] for o, it in stats.items.items()}
         whole = zlib.crc32(data) ^ (1 if file == wrong_whole_file_for else 0)
         files[file] = {"size": stats.size, "crc32": whole, "items": items}
     metadata = (path / ".metadata").read_bytes()
