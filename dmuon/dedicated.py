@@ -42,6 +42,20 @@ from . import compat, fsdp_patch
 from .ownership import assign_owners
 from .topology import Topology, current_rank, resolve_topology
 
+__all__ = [
+    "REGISTRY_ATTR",
+    "DedicatedParam",
+    "DedicatedRegistry",
+    "dedicate_params",
+    "dedicated_value_problem",
+    "find_dedicated",
+    "from_global_owner",
+    "get_registry",
+    "live_registries",
+    "raw_state_dict",
+    "wait_all_replicate_broadcasts",
+]
+
 REGISTRY_ATTR = "_dmuon_registry"
 
 

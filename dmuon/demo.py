@@ -32,6 +32,8 @@ from torch.distributed.fsdp import fully_shard
 
 import dmuon
 
+__all__ = ["main"]
+
 VOCAB, DIM, LAYERS, HEADS, SEQ, PER_RANK_BATCH = 96, 64, 2, 4, 32, 8
 
 

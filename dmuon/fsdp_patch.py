@@ -16,6 +16,8 @@ import torch
 from .compat import FSDP_PATCH_MODULE as _TARGET_MODULE
 from .compat import FSDP_PATCH_TARGET as _TARGET_NAME
 
+__all__ = ["DEDICATED_ATTR", "FSDPPatchError", "install", "is_dedicated"]
+
 DEDICATED_ATTR = "_dmuon_dedicated"
 
 

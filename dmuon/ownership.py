@@ -10,6 +10,8 @@ import re
 from collections import defaultdict
 from collections.abc import Sequence
 
+__all__ = ["assign_owners", "layer_key", "owned_bytes_per_slot"]
+
 Slot = tuple[int, int]  # (replicate_rank, shard_rank)
 
 _INDEX = re.compile(r"^\d+$")

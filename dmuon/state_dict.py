@@ -29,6 +29,21 @@ from .optim.muon import (
 )
 from .topology import current_rank as _rank
 
+__all__ = [
+    "StateDictError",
+    "check_fits",
+    "expected_shapes",
+    "get_model_state_dict",
+    "get_optimizer_state_dict",
+    "hyperparameters",
+    "local_row_range",
+    "restore_hyperparameters",
+    "set_model_state_dict",
+    "set_optimizer_state_dict",
+    "state_fields",
+    "write_full_state",
+]
+
 
 # ---------------------------------------------------------------------------------------------
 # collecting full tensors

@@ -13,6 +13,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+__all__ = ["Topology", "current_rank", "mesh_device", "resolve_topology"]
+
 
 def current_rank() -> int:
     """This process's global rank; 0 without a process group (single-process tools)."""

@@ -2,4 +2,6 @@ import sys
 
 from .cli import main
 
+__all__ = []
+
 sys.exit(main())

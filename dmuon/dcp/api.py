@@ -23,6 +23,8 @@ from .planner import DMuonLoadPlanner, DMuonSavePlanner
 from .reader import DMuonStorageReader
 from .writer import DMuonStorageWriter
 
+__all__ = ["load", "run_checkpoint_op", "save"]
+
 log = logging.getLogger(__name__)
 
 

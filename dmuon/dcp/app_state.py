@@ -23,6 +23,8 @@ from ..optim.muon import ADAMW_GROUP, SCALAR_DTYPE, Muon, state_field_shape
 from ..state_dict import hyperparameters, restore_hyperparameters, state_fields
 from .format import EXTRA_SECTION, MODEL_SECTION, OPTIM_SECTION, RESERVED_KEY
 
+__all__ = ["AppState", "DedicatedEntry", "DedicatedLayout", "model_state", "optimizer_state"]
+
 
 @dataclass(frozen=True)
 class DedicatedEntry:

@@ -32,6 +32,8 @@ from .errors import CheckpointError, from_checkpoint_exception
 from .planner import DMuonSavePlanner
 from .writer import DMuonStorageWriter
 
+__all__ = ["AsyncCheckpointer", "AsyncSaveHandle", "async_checkpointer", "async_save", "pending_async_saves"]
+
 
 class AsyncSaveHandle:
     """One background save; ``wait()`` re-raises its failure as a :class:`CheckpointError`."""

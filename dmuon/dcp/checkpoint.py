@@ -128,31 +128,33 @@ class CheckpointListing:
         stop = start + out.nbytes
         if start < 0 or stop > data_len:
             raise CheckpointCorruptError(f"{index.fqn}: bytes {start}..{stop} requested of {data_len}")
+        if stop == start:
+            return
         first_checksum = 1 if item.head else 0
         block = item.block
-        b = start // block
-        while b * block < stop:
-            b_start, b_stop = b * block, min((b + 1) * block, data_len)
-            run = b  # whole blocks inside [start, stop) go straight into ``out``, several per read
-            while run * block >= start and min((run + 1) * block, data_len) <= stop and run * block < stop:
-                run += 1
-            if run > b:
-                r_start, r_stop = b * block, min(run * block, data_len)
-                target = out[r_start - start : r_stop - start]
-                _read_exactly(stream, data_start + r_start, target, index.fqn)
-                for k in range(b, run):
-                    lo, hi = k * block - r_start, min((k + 1) * block, data_len) - r_start
-                    self._check_block(update(target[lo:hi], 0), item, first_checksum + k, index)
-                self.bytes_read += r_stop - r_start
-                b = run
-                continue
-            buffer = bytearray(b_stop - b_start)  # a block the range only partly covers
+
+        def whole(k: int) -> bool:  # block k lies entirely inside the range
+            return k * block >= start and min((k + 1) * block, data_len) <= stop
+
+        first, last = start // block, (stop - 1) // block
+        lo = first if whole(first) else first + 1
+        hi = last if whole(last) else last - 1
+        if lo <= hi:  # whole blocks: one read straight into ``out``, then a checksum per block
+            r_start, r_stop = lo * block, min((hi + 1) * block, data_len)
+            target = out[r_start - start : r_stop - start]
+            _read_exactly(stream, data_start + r_start, target, index.fqn)
+            self.bytes_read += r_stop - r_start
+            for k in range(lo, hi + 1):
+                offset = k * block - r_start
+                self._check_block(update(target[offset : offset + block], 0), item, first_checksum + k, index)
+        for k in sorted({first, last} - set(range(lo, hi + 1))):  # blocks the range only partly covers
+            b_start, b_stop = k * block, min((k + 1) * block, data_len)
+            buffer = bytearray(b_stop - b_start)
             _read_exactly(stream, data_start + b_start, memoryview(buffer), index.fqn)
-            self._check_block(update(buffer, 0), item, first_checksum + b, index)
-            lo, hi = max(start, b_start), min(stop, b_stop)
-            out[lo - start : hi - start] = memoryview(buffer)[lo - b_start : hi - b_start]
             self.bytes_read += b_stop - b_start
-            b += 1
+            self._check_block(update(buffer, 0), item, first_checksum + k, index)
+            lo_byte, hi_byte = max(start, b_start), min(stop, b_stop)
+            out[lo_byte - start : hi_byte - start] = memoryview(buffer)[lo_byte - b_start : hi_byte - b_start]
 
     def _check_block(self, got: int, item: ItemChecksums, position: int, index: MetadataIndex) -> None:
         if got != item.checksums[position]:

@@ -3,6 +3,19 @@ that ``except Exception`` misses; dmuon's API converts it into :class:`Checkpoin
 
 from __future__ import annotations
 
+__all__ = [
+    "CheckpointCorruptError",
+    "CheckpointError",
+    "CheckpointExistsError",
+    "CheckpointIncompleteError",
+    "CheckpointMismatchError",
+    "CheckpointNotFoundError",
+    "SaveRefusedError",
+    "StorageError",
+    "UnsafeCheckpointError",
+    "from_checkpoint_exception",
+]
+
 
 class CheckpointError(RuntimeError):
     """A save or load failed; the message names the rank, key or file at fault."""
@@ -32,8 +45,10 @@ class UnsafeCheckpointError(CheckpointCorruptError):
     """The checkpoint asks for something a checkpoint must never do (code, paths outside it)."""
 
 
-class CheckpointMismatchError(CheckpointError, ValueError):
-    """The checkpoint does not fit the state dict being loaded; nothing was written."""
+class _ProblemListError(CheckpointError, ValueError):
+    """One error for every problem found, listed one per line under a headline."""
+
+    headline = "{count} problem(s)"
 
     def __init__(self, problems: list[str] | str) -> None:
         if isinstance(problems, str):  # re-raised with a rank prefix by the API
@@ -41,25 +56,20 @@ class CheckpointMismatchError(CheckpointError, ValueError):
             super().__init__(problems)
             return
         self.problems = problems
-        super().__init__(
-            f"checkpoint does not match the model/optimizer ({len(problems)} problem(s)); "
-            "nothing was loaded:\n  " + "\n  ".join(problems)
-        )
+        super().__init__(self.headline.format(count=len(problems)) + ":\n  " + "\n  ".join(problems))
 
 
-class SaveRefusedError(CheckpointError, ValueError):
+class CheckpointMismatchError(_ProblemListError):
+    """The checkpoint does not fit the state dict being loaded; nothing was written."""
+
+    headline = "checkpoint does not match the model/optimizer ({count} problem(s)); nothing was loaded"
+
+
+class SaveRefusedError(_ProblemListError):
     """The state dict cannot be saved as given (a dedicated tensor is missing or has the wrong
     shape); raised while planning, so nothing was written and nothing committed."""
 
-    def __init__(self, problems: list[str] | str) -> None:
-        if isinstance(problems, str):  # re-raised with a rank prefix by the API
-            self.problems = [problems]
-            super().__init__(problems)
-            return
-        self.problems = problems
-        super().__init__(
-            f"refusing to save ({len(problems)} problem(s)); nothing was written:\n  " + "\n  ".join(problems)
-        )
+    headline = "refusing to save ({count} problem(s)); nothing was written"
 
 
 def from_checkpoint_exception(exc, what: str) -> CheckpointError:

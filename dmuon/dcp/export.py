@@ -30,6 +30,17 @@ from .hf import SAFETENSORS_DTYPES
 from .store import Store, is_remote, open_store
 from .torch_file import SLICE, TorchFileWriter, pickled_tensors, tensor_memory, write_postamble, write_preamble
 
+__all__ = [
+    "ExportEntry",
+    "export",
+    "model_entries",
+    "parse_size",
+    "read_full",
+    "release_freed_memory_promptly",
+    "write_safetensors",
+    "write_torch_file",
+]
+
 _SIZE_UNITS = {
     "": 1,
     "B": 1,

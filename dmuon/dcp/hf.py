@@ -19,6 +19,16 @@ from ..state_dict import StateDictError, check_fits, write_full_state
 from .format import HF_INDEX_FILE, HF_SINGLE_FILE, METADATA
 from .store import checked_name, open_store
 
+__all__ = [
+    "DTYPE_OF",
+    "SAFETENSORS_DTYPES",
+    "TensorLocation",
+    "is_safetensors_checkpoint",
+    "load_safetensors",
+    "read_header",
+    "safetensors_index",
+]
+
 SAFETENSORS_DTYPES = {
     torch.float64: "F64",
     torch.float32: "F32",

@@ -16,6 +16,8 @@ from .errors import CheckpointCorruptError, CheckpointError, CheckpointIncomplet
 from .format import METADATA
 from .store import open_store, remove_checkpoint
 
+__all__ = ["CheckpointManager"]
+
 log = logging.getLogger(__name__)
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 

@@ -108,12 +108,12 @@ class ItemChecksums:
         return out
 
     def consistent(self) -> bool:
-        if min(self.head, self.block, self.tail) < 0 or self.head + self.tail > self.length:
+        """Do the numbers describe segments that tile the item, one checksum each?"""
+        data = self.length - self.head - self.tail
+        if min(self.head, self.block, self.tail, data) < 0 or (self.block == 0 and data != 0):
             return False
-        if self.block == 0 and self.head + self.tail != self.length:
-            return False
-        segments = self.segments()
-        return sum(length for _, length in segments) == self.length and len(segments) == len(self.checksums)
+        blocks = -(-data // self.block) if self.block else 0
+        return len(self.checksums) == (self.head > 0) + blocks + (self.tail > 0)
 
 
 @dataclass

@@ -137,13 +137,13 @@ class TorchFileWriter:
         self.pos += view.nbytes
 
     def write_record(
-        self, name: str, data, *, align: bool = False, block: int = 0, boundary: Callable[[], None] | None = None
+        self, name: str, data, *, align: bool = False, write_data: Callable[[memoryview], None] | None = None
     ) -> None:
         """One record; ``align`` (storages) starts its bytes on a 64-byte boundary and leaves
         its CRC field 0; small records get a real CRC-32, so any zip reader reads them.
 
-        ``boundary()`` is called where the record's bytes start, after every ``block`` bytes
-        of them and where they end (a checksumming stream cuts its segments there).
+        ``write_data(view)``, if given, writes the record's bytes to the stream instead of this
+        writer (a checksumming stream checksums them block by block).
         """
         view = memoryview(data).cast("B")
         crc = 0 if align else zlib.crc32(view)
@@ -176,14 +176,11 @@ class TorchFileWriter:
             + full_name
             + extra
         )
-        if boundary is None:
+        if write_data is None:
             self._write(view)
         else:
-            boundary()
-            step = block or max(size, 1)
-            for start in range(0, size, step):
-                self._write(view[start : start + step])
-                boundary()
+            write_data(view)
+            self.pos += size
         central_extra = b""
         fields = []
         if zip64:
@@ -257,15 +254,15 @@ def write_postamble(writer: TorchFileWriter) -> None:
 
 
 def write_tensor_payload(
-    out: Any, tensor: torch.Tensor, *, block: int = 0, boundary: Callable[[], None] | None = None
+    out: Any, tensor: torch.Tensor, *, write_data: Callable[[memoryview], None] | None = None
 ) -> None:
     """What ``torch.save(tensor, out)`` writes for a contiguous CPU tensor, minus zip CRCs.
 
-    ``block``/``boundary``: see :meth:`TorchFileWriter.write_record` (for the storage record).
+    ``write_data``: see :meth:`TorchFileWriter.write_record` (for the storage record).
     """
     writer = TorchFileWriter(out)
     write_preamble(writer, _pickled_tensor(tensor.dtype, tuple(tensor.shape)))
-    writer.write_record("data/0", tensor_memory(tensor), align=True, block=block, boundary=boundary)
+    writer.write_record("data/0", tensor_memory(tensor), align=True, write_data=write_data)
     write_postamble(writer)
 
 

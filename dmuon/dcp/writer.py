@@ -28,7 +28,7 @@ from .errors import CheckpointExistsError
 from .format import METADATA, data_file_name
 from .manifest import CHECKSUMS, WRITE_CHECKSUM, FileStats, ItemChecksums, Manifest, block_size_for, checksum_of
 from .store import Store, open_store, retrying
-from .torch_file import write_tensor_payload
+from .torch_file import SLICE, write_tensor_payload
 
 __all__ = ["DMuonStorageWriter"]
 
@@ -55,6 +55,19 @@ class _ChecksummingStream:
         self.pos += view.nbytes
         return view.nbytes
 
+    def write_blocks(self, view: memoryview, block: int) -> None:
+        """Write ``view`` in large slices, with one segment (checksum) per ``block`` bytes of
+        it: the checksum granularity a partial read needs, at the write size disks like."""
+        self.cut()
+        step = max(SLICE // block, 1) * block
+        for start in range(0, view.nbytes, step):
+            piece = view[start : start + step]
+            for offset in range(0, piece.nbytes, block):
+                self.checksums.append(self.update(piece[offset : offset + block], 0))
+            self.raw.write(piece)
+            self.pos += piece.nbytes
+        self._segment_start = self.pos
+
     def cut(self) -> None:
         if self.pos > self._segment_start:
             self.checksums.append(self._running)
@@ -79,11 +92,13 @@ def _write_item(stream: _ChecksummingStream, data) -> ItemChecksums:
     block = block_size_for(tensor.numel() * tensor.element_size())
     marks: list[int] = []
 
-    def boundary() -> None:
+    def write_data(view: memoryview) -> None:
         stream.cut()
         marks.append(stream.tell())
+        stream.write_blocks(view, block)
+        marks.append(stream.tell())
 
-    write_tensor_payload(stream, tensor, block=block, boundary=boundary)
+    write_tensor_payload(stream, tensor, write_data=write_data)
     stream.cut()
     end = stream.tell()
     return ItemChecksums(end - start, marks[0] - start, block, end - marks[-1], stream.checksums[first:])

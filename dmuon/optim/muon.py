@@ -27,6 +27,16 @@ from ..dedicated import DedicatedParam, from_global_owner, get_registry
 from ..fsdp_patch import is_dedicated
 from .newton_schulz import orthogonalize
 
+__all__ = [
+    "ADAMW_GROUP",
+    "MUON_GROUP",
+    "SCALAR_DTYPE",
+    "STATE_FIELDS",
+    "Muon",
+    "apply_hyperparameters",
+    "state_field_shape",
+]
+
 MUON_GROUP = "muon"
 ADAMW_GROUP = "adamw"
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+__all__ = ["QUINTIC_COEFFS", "orthogonalize"]
+
 QUINTIC_COEFFS = (3.4445, -4.7750, 2.0315)
 
 
