@@ -3,7 +3,8 @@
 Object stores make each upload appear whole when it completes, so nothing here fsyncs. What
 this adds over plain fsspec: a conditional create for the commit (S3 ``If-None-Match``, GCS
 ``ifGenerationMatch=0``) with a read-back that recognises one's own retried write, bounded
-client retries on S3, no partial object left by a failed upload, and large read-ahead.
+client retries on S3, no partial object left by a failed upload, several requests in flight
+per S3 stream (``s3_transfer.py``), and large read-ahead elsewhere.
 """
 
 from __future__ import annotations
@@ -13,11 +14,12 @@ import contextlib
 import errno
 import os
 from collections.abc import Iterator
-from typing import BinaryIO
+from typing import Any, BinaryIO, cast
 
+from .s3_transfer import S3_PART_BYTES, S3_UPLOAD_CONCURRENCY, S3ParallelReader, S3ParallelWriter
 from .store import RetryPolicy, checked_name, endpoint_unreachable, exception_chain
 
-__all__ = ["FsspecStore"]
+__all__ = ["S3_PART_BYTES", "S3_UPLOAD_CONCURRENCY", "FsspecStore"]
 
 
 def _quiet_gcsfs_probe() -> None:
@@ -29,6 +31,7 @@ def _quiet_gcsfs_probe() -> None:
 
 READ_BLOCK = 32 * 2**20
 _OBJECT_STORES = {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "oss", "r2"}
+_S3 = ("s3", "s3a")
 
 
 S3_REQUEST_RETRIES = {"mode": "standard", "max_attempts": 3}
@@ -43,7 +46,7 @@ def _bounded_s3_retries(url: str, options: dict) -> dict:
     s3fs's own five, makes 15 tries per call within about half a minute. An explicit
     ``config_kwargs["retries"]`` wins.
     """
-    if url.split("://", 1)[0] not in ("s3", "s3a"):
+    if url.split("://", 1)[0] not in _S3:
         return options
     config = dict(options.get("config_kwargs") or {})
     if "retries" in config:
@@ -67,6 +70,10 @@ class FsspecStore:
 
     def _attach(self, fs, root: str, url: str) -> None:
         self.fs, self.root, self.url = fs, root, url
+        protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
+        self.protocols = set(protocols)
+        # s3fs's files send one request at a time; keep several in flight instead
+        self.parallel_s3 = bool(self.protocols & set(_S3)) and hasattr(fs, "call_s3")
 
     @classmethod
     def _on(cls, fs, root: str, url: str) -> FsspecStore:
@@ -81,8 +88,7 @@ class FsspecStore:
     def makedirs(self) -> None:
         # Object stores have no directories to create, and asking costs a request that, with
         # the endpoint down, adds a whole retry cycle before the error surfaces.
-        protocols = self.fs.protocol if isinstance(self.fs.protocol, (tuple, list)) else (self.fs.protocol,)
-        if set(protocols) & _OBJECT_STORES:
+        if self.protocols & _OBJECT_STORES:
             return
         with contextlib.suppress(FileExistsError):
             self.fs.makedirs(self.root, exist_ok=True)
@@ -105,7 +111,7 @@ class FsspecStore:
     @contextlib.contextmanager
     def open_write(self, name: str) -> Iterator[BinaryIO]:
         path = self._path(name)
-        f = self.fs.open(path, "wb")
+        f: Any = S3ParallelWriter(self.fs, path) if self.parallel_s3 else self.fs.open(path, "wb")
         try:
             yield f
             f.close()
@@ -115,9 +121,12 @@ class FsspecStore:
             # retries once more: the leftovers are never committed, and a later save removes them.
             reachable = not endpoint_unreachable(exc)
             with contextlib.suppress(Exception):
-                if reachable and hasattr(f, "discard"):
-                    f.discard()
-                f.closed = True
+                if isinstance(f, S3ParallelWriter):
+                    f.discard(abort_upload=reachable)
+                else:
+                    if reachable and hasattr(f, "discard"):
+                        f.discard()
+                    f.closed = True
             if reachable:
                 with contextlib.suppress(Exception):
                     self.fs.rm_file(path)
@@ -126,7 +135,10 @@ class FsspecStore:
     def open_read(self, name: str) -> BinaryIO:
         # Items are read in file order: a large read-ahead turns them into a few big GETs
         # instead of one request per item (gcsfs's default makes hundreds per file).
-        return self.fs.open(self._path(name), "rb", block_size=READ_BLOCK, cache_type="readahead")
+        path = self._path(name)
+        if self.parallel_s3:
+            return cast(BinaryIO, S3ParallelReader(self.fs, path, self.fs.size(path)))
+        return self.fs.open(path, "rb", block_size=READ_BLOCK, cache_type="readahead")
 
     def read(self, name: str) -> bytes:
         return self.fs.cat_file(self._path(name))

@@ -1,0 +1,242 @@
+"""Streams to and from S3 that keep several requests in flight.
+
+s3fs's file objects send one multipart part at a time and stop the writer while it travels,
+and read ahead one block at a time; a whole-object ``pipe_file``/``cat_file`` instead keeps
+many requests in flight, which is what the link and the server are built for. A dmuon data file
+is written as a stream (its size is known only at the end) and read as a stream in file order,
+so these two classes give a stream the concurrency of the whole-object calls: parts are handed
+to a small thread pool as soon as they are full, and ranged GETs run ahead of the reader.
+Memory stays bounded: at most ``concurrency + 1`` parts per stream.
+
+Only s3fs's public calls are used (``call_s3``, ``cat_file``, ``abort_mpu``); the requests go
+through the filesystem's own client, so its retries, credentials and endpoint apply.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+
+__all__ = ["S3_PART_BYTES", "S3_UPLOAD_CONCURRENCY", "S3ParallelReader", "S3ParallelWriter"]
+
+# S3 parts are 5 MiB to 5 GiB (except the last) and at most 10,000 per object: 16 MiB parts
+# allow 156 GiB per data file. Measured by benchmarks/object_storage.py (docs/performance.md).
+S3_PART_BYTES = 16 << 20
+S3_UPLOAD_CONCURRENCY = 4
+
+
+def _bucket_and_key(path: str) -> tuple[str, str]:
+    bucket, _, key = path.partition("/")
+    return bucket, key
+
+
+class S3ParallelWriter:
+    """A write-only stream that becomes the object ``path`` on ``close()``.
+
+    Objects smaller than one part go up in one PUT; larger ones as a multipart upload with up
+    to ``concurrency`` parts in flight. ``discard()`` aborts the upload (nothing appears).
+    """
+
+    def __init__(self, fs, path: str, part_bytes: int = S3_PART_BYTES, concurrency: int = S3_UPLOAD_CONCURRENCY):
+        self.fs, self.path = fs, path
+        self.bucket, self.key = _bucket_and_key(path)
+        self.part_bytes, self.concurrency = part_bytes, concurrency
+        self.closed = False
+        self._part = bytearray()
+        self._upload_id: str | None = None
+        self._pool: ThreadPoolExecutor | None = None
+        self._in_flight: collections.deque[Future] = collections.deque()
+        self._etags: dict[int, str] = {}  # part number -> ETag, filled in by the upload threads
+        self._parts_sent = 0
+        self._position = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._position
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        taken = 0
+        while taken < view.nbytes:
+            room = self.part_bytes - len(self._part)
+            self._part += view[taken : taken + room]
+            taken += min(room, view.nbytes - taken)
+            if len(self._part) == self.part_bytes:
+                self._send(self._part)
+                self._part = bytearray()
+        self._position += view.nbytes
+        return view.nbytes
+
+    def flush(self) -> None:
+        pass
+
+    def _send(self, part: bytearray) -> None:
+        if self._upload_id is None:
+            started = self.fs.call_s3("create_multipart_upload", Bucket=self.bucket, Key=self.key)
+            self._upload_id = started["UploadId"]
+            self._pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="dmuon-s3-upload")
+        assert self._pool is not None
+        while len(self._in_flight) >= self.concurrency:
+            self._in_flight.popleft().result()  # raises the part's error here, in the writer
+        self._parts_sent += 1
+        self._in_flight.append(self._pool.submit(self._upload_part, self._parts_sent, part))
+
+    def _upload_part(self, number: int, part: bytearray) -> None:
+        answer = self.fs.call_s3(
+            "upload_part", Bucket=self.bucket, Key=self.key, PartNumber=number, UploadId=self._upload_id, Body=part
+        )
+        self._etags[number] = answer["ETag"]
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        try:
+            if self._upload_id is None:
+                self.fs.call_s3("put_object", Bucket=self.bucket, Key=self.key, Body=bytes(self._part))
+            else:
+                if self._part:
+                    self._send(self._part)
+                while self._in_flight:
+                    self._in_flight.popleft().result()
+                if sorted(self._etags) != list(range(1, self._parts_sent + 1)):
+                    raise OSError(f"{self.path}: parts {sorted(self._etags)} uploaded of {self._parts_sent} sent")
+                parts = [{"PartNumber": n, "ETag": self._etags[n]} for n in sorted(self._etags)]
+                self.fs.call_s3(
+                    "complete_multipart_upload",
+                    Bucket=self.bucket,
+                    Key=self.key,
+                    UploadId=self._upload_id,
+                    MultipartUpload={"Parts": parts},
+                )
+        except BaseException:
+            self.discard()
+            raise
+        self._finish()
+        self.fs.invalidate_cache(self.path)
+
+    def discard(self, abort_upload: bool = True) -> None:
+        """Throw the upload away: no object appears; the server frees the parts, unless
+        ``abort_upload=False`` (an unreachable endpoint: asking would only wait out the retries;
+        an unfinished upload never becomes an object, and bucket lifecycle rules expire it)."""
+        for future in self._in_flight:
+            future.cancel()
+        for future in self._in_flight:
+            with contextlib.suppress(BaseException):
+                future.result()
+        upload_id, self._upload_id = self._upload_id, None
+        self._finish()
+        if upload_id is not None and abort_upload:
+            with contextlib.suppress(Exception):
+                self.fs.abort_mpu(self.bucket, self.key, upload_id)
+
+    def _finish(self) -> None:
+        self.closed = True
+        self._in_flight.clear()
+        self._part = bytearray()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+    def __enter__(self) -> S3ParallelWriter:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if exc[0] is None:
+            self.close()
+        else:
+            self.discard()
+
+
+class S3ParallelReader:
+    """A read-only, seekable stream over the object ``path`` that fetches ``block_bytes``
+    ranges ahead of the reader, ``concurrency`` at a time.
+
+    Reads in file order cost one pass of parallel ranged GETs; a seek outside what is fetched
+    (a partial load skipping bytes it does not need) drops the read-ahead and restarts it there.
+    """
+
+    def __init__(
+        self, fs, path: str, size: int, block_bytes: int = S3_PART_BYTES, concurrency: int = S3_UPLOAD_CONCURRENCY
+    ):
+        self.fs, self.path, self.size = fs, path, size
+        self.block_bytes, self.concurrency = block_bytes, concurrency
+        self.closed = False
+        self._position = 0
+        self.bytes_fetched = 0  # by GETs so far (a block dropped and fetched again counts twice)
+        self._count_lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(concurrency, thread_name_prefix="dmuon-s3-read")
+        self._blocks: collections.OrderedDict[int, Future] = collections.OrderedDict()  # start -> bytes
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._position
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        base = {0: 0, 1: self._position, 2: self.size}[whence]
+        self._position = max(0, base + offset)
+        return self._position
+
+    def _fetch(self, start: int) -> bytes:
+        data = self.fs.cat_file(self.path, start=start, end=min(start + self.block_bytes, self.size))
+        with self._count_lock:
+            self.bytes_fetched += len(data)
+        return data
+
+    def _schedule(self) -> None:
+        """Keep the ``concurrency`` blocks from the current one on requested. The block just
+        behind is kept too (an item's frame is checked after a look at its end, then its data
+        is read from an earlier offset); anything further away is dropped."""
+        current = self._position - self._position % self.block_bytes
+        ahead = current + self.concurrency * self.block_bytes
+        for start in [s for s in self._blocks if s < current - self.block_bytes or s > ahead]:
+            self._blocks.pop(start).cancel()
+        for start in range(current, min(self.size, ahead), self.block_bytes):
+            if start not in self._blocks:
+                self._blocks[start] = self._pool.submit(self._fetch, start)
+
+    def readinto(self, buffer) -> int:
+        out = memoryview(buffer).cast("B")
+        done = 0
+        while done < out.nbytes and self._position < self.size:
+            self._schedule()
+            start = self._position - self._position % self.block_bytes
+            block = self._blocks[start].result()
+            inside = self._position - start
+            n = min(len(block) - inside, out.nbytes - done)
+            if n <= 0:
+                raise OSError(f"{self.path}: short read at byte {self._position} of {self.size}")
+            out[done : done + n] = block[inside : inside + n]
+            done += n
+            self._position += n
+        return done
+
+    def read(self, size: int = -1) -> bytes:
+        left = self.size - self._position
+        n = left if size is None or size < 0 else min(size, left)
+        buffer = bytearray(max(n, 0))
+        got = self.readinto(buffer)
+        return bytes(buffer[:got])
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        for future in self._blocks.values():
+            future.cancel()
+        self._blocks.clear()
+        self._pool.shutdown(wait=True)
+
+    def __enter__(self) -> S3ParallelReader:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
