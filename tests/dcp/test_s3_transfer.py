@@ -36,7 +36,7 @@ def test_store_streams_are_the_parallel_ones(s3_store):
 
 def test_multipart_upload_and_read_ahead_round_trip(s3_store):
     rng = random.Random(0)
-    data = rng.randbytes(4 * PART + 12345)  # five parts, the last one short
+    data = rng.randbytes(3 * PART + 12345)  # four parts, the last one short
     path = _path(s3_store, "big")
     with S3ParallelWriter(s3_store.fs, path, part_bytes=PART, concurrency=3) as f:
         start = 0
@@ -77,7 +77,7 @@ def test_failure_mid_upload_leaves_no_object_and_no_upload(s3_store):
     bucket = path.split("/", 1)[0]
     with pytest.raises(RuntimeError, match="writer died"):
         with s3_store.open_write("failed") as f:
-            f.write(os.urandom(2 * S3_PART_BYTES + 1))  # two parts sent
+            f.write(os.urandom(S3_PART_BYTES + 1))  # one part sent
             assert f._upload_id is not None
             upload_id = f._upload_id
             raise RuntimeError("writer died")
@@ -94,6 +94,6 @@ def test_a_refused_part_surfaces_in_the_writer(s3_store):
     f.write(os.urandom(PART))
     s3_store.fs.abort_mpu(*path.split("/", 1), f._upload_id)
     with pytest.raises(OSError):
-        f.write(os.urandom(2 * PART))
+        f.write(os.urandom(PART))
         f.close()
     assert "aborted" not in s3_store.list()
