@@ -133,15 +133,18 @@ class DMuonSavePlanner(DefaultSavePlanner):
     """torch's default save planner, plus: wrong entries under dedicated keys are refused
     before anything is written; with an ``AppState`` layout, each dedicated tensor is written
     by its global owner, exactly once, whole; dmuon's description of the save goes into the
-    metadata. ``enable_plan_caching`` is torch's: repeated saves of an unchanged layout skip
-    sending plans to the coordinator."""
+    metadata.
 
-    def __init__(self, dedup_save_to_lowest_rank: bool = False, enable_plan_caching: bool = False) -> None:
+    torch's ``enable_plan_caching`` is not offered: for an unchanged plan it reuses the previous
+    save's final plan, storage data included, and dmuon's writer names each save's data files
+    there (a cached plan would write into the previous checkpoint's file names)."""
+
+    def __init__(self, dedup_save_to_lowest_rank: bool = False) -> None:
         super().__init__(
             flatten_state_dict=True,
             flatten_sharded_tensors=True,
             dedup_save_to_lowest_rank=dedup_save_to_lowest_rank,
-            enable_plan_caching=enable_plan_caching,
+            enable_plan_caching=False,
         )
 
     def set_up_planner(self, state_dict, storage_meta=None, is_coordinator: bool = False) -> None:
