@@ -11,12 +11,14 @@ from .errors import (
     CheckpointIncompleteError,
     CheckpointMismatchError,
     CheckpointNotFoundError,
+    PlanCacheError,
     SaveRefusedError,
     StorageError,
     UnsafeCheckpointError,
 )
 from .export import export
 from .manager import CheckpointManager
+from .plan_cache import SavePlanCache
 from .planner import DMuonLoadPlanner, DMuonSavePlanner
 from .reader import DMuonStorageReader
 from .store import RetryPolicy, Store, open_store, register_store, unregister_store
@@ -40,7 +42,9 @@ __all__ = [
     "DMuonStorageWriter",
     "DedicatedEntry",
     "DedicatedLayout",
+    "PlanCacheError",
     "RetryPolicy",
+    "SavePlanCache",
     "SaveRefusedError",
     "StorageError",
     "Store",

@@ -19,6 +19,8 @@ from .async_checkpointer import pending_async_saves
 from .checkpoint import open_checkpoint
 from .errors import from_checkpoint_exception
 from .format import EXTRA_SECTION
+from .gc_pause import paused_gc
+from .plan_cache import SavePlanCache
 from .planner import DMuonLoadPlanner, DMuonSavePlanner
 from .reader import DMuonStorageReader
 from .writer import DMuonStorageWriter
@@ -47,21 +49,29 @@ def save(
     extra: dict | None = None,
     storage_options: dict | None = None,
     overwrite: bool = False,
+    plan_cache: SavePlanCache | None = None,
 ) -> None:
     """Collective: every rank writes its own share straight to ``checkpoint_id``.
 
     ``checkpoint_id`` is a local directory or an fsspec URL (``s3://``, ``gs://``, ...).
     An existing committed checkpoint is only replaced with ``overwrite=True``, and then stays
-    readable until the new one commits.
+    readable until the new one commits. ``plan_cache``: keep one per rank across the saves of a
+    job and a save whose layout did not change skips re-planning (cleared here if a save fails).
+    Python's garbage collector is paused for the call (``gc_pause.py``).
     """
     pending = pending_async_saves(model)
     if pending is not None:
         pending.raise_pending_failure()
     state = AppState(model, optimizer, extra).state_dict()
     writer = DMuonStorageWriter(checkpoint_id, storage_options=storage_options, overwrite=overwrite)
-    run_checkpoint_op(
-        dcp.save, state, storage_writer=writer, planner=DMuonSavePlanner(), what=f"save to {checkpoint_id}"
-    )
+    planner = DMuonSavePlanner(plan_cache=plan_cache)
+    try:
+        with paused_gc():
+            run_checkpoint_op(dcp.save, state, storage_writer=writer, planner=planner, what=f"save to {checkpoint_id}")
+    except BaseException:
+        if plan_cache is not None:
+            plan_cache.clear()  # every rank fails the same save: the caches stay in step
+        raise
 
 
 def _extra_template(metadata: Metadata) -> dict:
@@ -93,8 +103,9 @@ def load(
     """Collective: load model (and optimizer) from any topology; returns the saved ``extra``.
 
     Shapes and dtypes are checked for every key first; on a mismatch nothing is written and
-    one error lists every problem. ``allow_partial_load=True`` skips mismatched keys instead.
+    one error lists every problem; ``allow_partial_load=True`` skips mismatched keys instead.
     A HuggingFace safetensors file or directory loads the model part (``optimizer=None``).
+    Python's garbage collector is paused for the call.
     """
     from .hf import is_safetensors_checkpoint, load_safetensors
 
@@ -111,6 +122,7 @@ def load(
         state[EXTRA_SECTION] = extra
     reader = DMuonStorageReader(checkpoint_id, storage_options=storage_options, listing=listing)
     planner = DMuonLoadPlanner(allow_partial_load=allow_partial_load)
-    run_checkpoint_op(dcp.load, state, storage_reader=reader, planner=planner, what=f"load from {checkpoint_id}")
+    with paused_gc():
+        run_checkpoint_op(dcp.load, state, storage_reader=reader, planner=planner, what=f"load from {checkpoint_id}")
     app.load_state_dict(state)
     return app.loaded_extra

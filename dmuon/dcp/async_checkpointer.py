@@ -7,7 +7,9 @@ needs from it, on an object the caller owns:
   collectives in a background thread can deadlock with training collectives on one group);
 * one save in flight at a time; a failure nobody has looked at is raised at the next save;
 * the CPU staging copies are reused from one save to the next (torch's stager keeps one CPU
-  storage per source storage) and released by :meth:`AsyncCheckpointer.close`.
+  storage per source storage) and released by :meth:`AsyncCheckpointer.close`;
+* the save plans too (a :class:`~dmuon.dcp.SavePlanCache`): a save whose layout did not
+  change skips re-planning; a failed save clears them.
 
 ``dmuon.dcp.async_save(model, ...)`` uses the checkpointer of that model (see
 :func:`async_checkpointer`); a :class:`~dmuon.dcp.CheckpointManager` owns its own.
@@ -29,6 +31,7 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from ..optim.muon import Muon
 from .app_state import AppState
 from .errors import CheckpointError, from_checkpoint_exception
+from .plan_cache import SavePlanCache
 from .planner import DMuonSavePlanner
 from .writer import DMuonStorageWriter
 
@@ -89,6 +92,7 @@ class AsyncCheckpointer:
         self._group: dist.ProcessGroup | None = None
         self._stager: DefaultStager | None = None
         self._in_flight: AsyncSaveHandle | None = None
+        self.plan_cache = SavePlanCache()
 
     @property
     def in_flight(self) -> AsyncSaveHandle | None:
@@ -102,8 +106,13 @@ class AsyncCheckpointer:
     def raise_pending_failure(self) -> None:
         """Wait for the save in flight; raise its failure if nobody has seen it yet."""
         handle, self._in_flight = self._in_flight, None
-        if handle is not None:
+        if handle is None:
+            return
+        try:
             handle.wait()
+        finally:
+            if handle.error is not None:  # (every rank's save failed: every rank clears)
+                self.plan_cache.clear()
 
     def save(
         self,
@@ -127,7 +136,11 @@ class AsyncCheckpointer:
         state = AppState(model, optimizer, extra).state_dict()
         writer = DMuonStorageWriter(checkpoint_id, storage_options=storage_options, overwrite=overwrite)
         future = dcp.async_save(
-            state, storage_writer=writer, planner=DMuonSavePlanner(), process_group=group, async_stager=self._stager
+            state,
+            storage_writer=writer,
+            planner=DMuonSavePlanner(plan_cache=self.plan_cache),
+            process_group=group,
+            async_stager=self._stager,
         )
         assert isinstance(future, concurrent.futures.Future)  # staging is synchronous here
         self._in_flight = AsyncSaveHandle(checkpoint_id, future)
@@ -141,6 +154,7 @@ class AsyncCheckpointer:
             if self._stager is not None:
                 self._stager.close()
                 self._stager = None
+            self.plan_cache.clear()
 
 
 _CHECKPOINTER_ATTR = "_dmuon_async_checkpointer"

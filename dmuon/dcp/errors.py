@@ -10,6 +10,7 @@ __all__ = [
     "CheckpointIncompleteError",
     "CheckpointMismatchError",
     "CheckpointNotFoundError",
+    "PlanCacheError",
     "SaveRefusedError",
     "StorageError",
     "UnsafeCheckpointError",
@@ -43,6 +44,10 @@ class StorageError(CheckpointError, OSError):
 
 class UnsafeCheckpointError(CheckpointCorruptError):
     """The checkpoint asks for something a checkpoint must never do (code, paths outside it)."""
+
+
+class PlanCacheError(CheckpointError):
+    """The ranks' save-plan caches saw different saves; raised while planning, nothing written."""
 
 
 class _ProblemListError(CheckpointError, ValueError):

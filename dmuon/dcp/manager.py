@@ -14,6 +14,7 @@ from . import api
 from .async_checkpointer import AsyncCheckpointer, AsyncSaveHandle
 from .errors import CheckpointCorruptError, CheckpointError, CheckpointIncompleteError
 from .format import METADATA
+from .plan_cache import SavePlanCache
 from .store import open_store, remove_checkpoint
 
 __all__ = ["CheckpointManager"]
@@ -50,6 +51,7 @@ class CheckpointManager:
         self.storage_options = storage_options
         self.store = open_store(self.root, storage_options)
         self.async_checkpointer = AsyncCheckpointer() if async_save else None
+        self.plan_cache = SavePlanCache()  # sync saves: the plans of an unchanged layout are reused
         self._in_flight: tuple[int, AsyncSaveHandle] | None = None
         self.last_extra: dict = {}  # what load_latest's checkpoint carried in ``extra``
 
@@ -85,7 +87,15 @@ class CheckpointManager:
             )
             self._in_flight = (step, handle)
         else:
-            api.save(model, optimizer, path, extra=extra, storage_options=self.storage_options, overwrite=True)
+            api.save(
+                model,
+                optimizer,
+                path,
+                extra=extra,
+                storage_options=self.storage_options,
+                overwrite=True,
+                plan_cache=self.plan_cache,
+            )
         if _rank() == 0:
             self.clean_up()
 

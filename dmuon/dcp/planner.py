@@ -46,6 +46,7 @@ from ..topology import current_rank
 from .app_state import DedicatedEntry, DedicatedLayout
 from .errors import CheckpointMismatchError, SaveRefusedError
 from .format import FORMAT_VERSION, MODEL_PREFIX, MODEL_SECTION, OPTIM_SECTION, RESERVED_KEY
+from .plan_cache import SavePlanCache
 
 log = logging.getLogger(__name__)
 
@@ -135,17 +136,19 @@ class DMuonSavePlanner(DefaultSavePlanner):
     by its global owner, exactly once, whole; dmuon's description of the save goes into the
     metadata.
 
-    torch's ``enable_plan_caching`` is not offered: for an unchanged plan it reuses the previous
-    save's final plan, storage data included, and dmuon's writer names each save's data files
-    there (a cached plan would write into the previous checkpoint's file names)."""
+    ``plan_cache``: a :class:`SavePlanCache` kept across saves (one per rank, each rank's seeing
+    the same saves) lets a save whose layout did not change skip sending, merging and checking
+    plans (``plan_cache.py``). torch's own ``enable_plan_caching`` is not offered: it reuses the
+    previous save's storage data, where dmuon's writer names each save's files afresh."""
 
-    def __init__(self, dedup_save_to_lowest_rank: bool = False) -> None:
+    def __init__(self, dedup_save_to_lowest_rank: bool = False, plan_cache: SavePlanCache | None = None) -> None:
         super().__init__(
             flatten_state_dict=True,
             flatten_sharded_tensors=True,
             dedup_save_to_lowest_rank=dedup_save_to_lowest_rank,
             enable_plan_caching=False,
         )
+        self.plan_cache = plan_cache
 
     def set_up_planner(self, state_dict, storage_meta=None, is_coordinator: bool = False) -> None:
         layouts = _find_layouts(state_dict)
@@ -180,9 +183,10 @@ class DMuonSavePlanner(DefaultSavePlanner):
             k: v for k, v in everything.items() if k not in self.layout or self.layout[k].writer == self.rank
         }
         try:
-            return super().create_local_plan()
+            plan = super().create_local_plan()
         finally:
             self.state_dict = everything
+        return self.plan_cache.offer_local(plan) if self.plan_cache is not None else plan
 
     def _check(self, all_plans: list[SavePlan]) -> None:
         problems = []
@@ -240,8 +244,16 @@ class DMuonSavePlanner(DefaultSavePlanner):
         }
 
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
-        if all(plan.usable for plan in all_plans):  # (cached, unchanged plans were checked before)
-            self._check(all_plans)
+        cache = self.plan_cache
+        if cache is not None:
+            reused = cache.reuse_global(all_plans)  # no rank's plan changed: all checked before
+            if reused is not None:
+                assert cache.global_plans is not None
+                send, self.metadata = reused
+                self.global_plan = cache.global_plans
+                return send, self.metadata
+            all_plans = cache.fill_in(all_plans)
+        self._check(all_plans)
         plans, metadata = super().create_global_plan(all_plans)
         mappings = [p.planner_data for p in self.global_plan if p.planner_data]
         lookup = ChainMap(*mappings)
@@ -250,7 +262,14 @@ class DMuonSavePlanner(DefaultSavePlanner):
         planner_data = {key: lookup[key] for key in order if key in lookup}
         planner_data[RESERVED_KEY] = self.describe()
         self.metadata = dataclasses.replace(metadata, planner_data=planner_data)
+        if cache is not None:
+            return cache.remember_global(all_plans, plans, self.metadata), self.metadata
         return plans, self.metadata
+
+    def finish_plan(self, new_plan: SavePlan) -> SavePlan:
+        if self.plan_cache is not None:
+            new_plan = self.plan_cache.finish(self.plan, new_plan)
+        return super().finish_plan(new_plan)
 
 
 def _tensor_spec(value) -> tuple[tuple[int, ...], torch.dtype] | None:

@@ -14,6 +14,7 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata
 
 from .errors import CheckpointCorruptError, UnsafeCheckpointError
+from .gc_pause import paused_gc
 
 __all__ = ["load_metadata_bytes"]
 
@@ -55,7 +56,8 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 def load_metadata_bytes(data: bytes, where: str) -> Metadata:
     try:
-        metadata = _MetadataUnpickler(io.BytesIO(data)).load()
+        with paused_gc():
+            metadata = _MetadataUnpickler(io.BytesIO(data)).load()
     except UnsafeCheckpointError:
         raise
     except Exception as exc:
