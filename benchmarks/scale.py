@@ -155,6 +155,7 @@ def worker(rank, world, n_tensors, run_dir, saves, replicate=1, profile_dir=None
 
     import dmuon.dcp as ddcp
     from dmuon.dcp.format import METADATA, is_manifest_name
+    from dmuon.dcp.gc_pause import paused_gc
 
     t0 = time.perf_counter()
     model = _build(n_tensors, True, replicate)
@@ -175,10 +176,13 @@ def worker(rank, world, n_tensors, run_dir, saves, replicate=1, profile_dir=None
     planners = {"dmuon": dmuon_planner(plan_cache=ddcp.SavePlanCache()),
                 "torch": torch_planner(enable_plan_caching=True)}
 
+    # dmuon's two methods are dmuon.dcp.save / load spelled out (to put timers in): AppState,
+    # dmuon's planner, writer / reader, garbage collector paused.
     def save(method, path):
         if method == "dmuon":
             state = ddcp.AppState(model).state_dict()
-            dcp.save(state, storage_writer=dmuon_writer(path), planner=planners["dmuon"])
+            with paused_gc():
+                dcp.save(state, storage_writer=dmuon_writer(path), planner=planners["dmuon"])
         else:
             dcp.save(plain.state_dict(), storage_writer=torch_writer(path), planner=planners["torch"])
 
@@ -186,7 +190,8 @@ def worker(rank, world, n_tensors, run_dir, saves, replicate=1, profile_dir=None
         if method == "dmuon":
             app = ddcp.AppState(model)
             state = app.state_dict()
-            dcp.load(state, storage_reader=dmuon_reader(path), planner=dmuon_loader())
+            with paused_gc():
+                dcp.load(state, storage_reader=dmuon_reader(path), planner=dmuon_loader())
             app.load_state_dict(state)
         else:
             state = plain.state_dict()

@@ -38,6 +38,7 @@ from ..compat import rebuild_tensor, storage_type_names
 __all__ = [
     "TorchFileWriter",
     "single_record_offset",
+    "tensor_frame",
     "tensor_from_payload",
     "tensor_memory",
     "write_tensor_payload",
@@ -253,17 +254,55 @@ def write_postamble(writer: TorchFileWriter) -> None:
     writer.close()
 
 
+def tensor_frame(tensor: torch.Tensor) -> tuple[bytes, bytes]:
+    """The bytes ``torch.save`` puts before and after a contiguous CPU tensor's data.
+
+    They depend on the dtype and shape only (offsets in the zip are relative to the payload's
+    start), so a writer of many same-shaped tensors builds them once per shape.
+    """
+    out = io.BytesIO()
+    head_len = -1
+
+    def skip_data(view: memoryview) -> None:
+        nonlocal head_len
+        head_len = out.tell()
+
+    writer = TorchFileWriter(out)
+    write_preamble(writer, _pickled_tensor(tensor.dtype, tuple(tensor.shape)))
+    writer.write_record("data/0", tensor_memory(tensor), align=True, write_data=skip_data)
+    write_postamble(writer)
+    frame = out.getvalue()
+    return frame[:head_len], frame[head_len:]
+
+
 def write_tensor_payload(
-    out: Any, tensor: torch.Tensor, *, write_data: Callable[[memoryview], None] | None = None
+    out: Any,
+    tensor: torch.Tensor,
+    *,
+    write_data: Callable[[memoryview], None] | None = None,
+    frames: dict[tuple, tuple[bytes, bytes]] | None = None,
 ) -> None:
     """What ``torch.save(tensor, out)`` writes for a contiguous CPU tensor, minus zip CRCs.
 
-    ``write_data``: see :meth:`TorchFileWriter.write_record` (for the storage record).
+    ``write_data(view)``, if given, writes the tensor's bytes instead of ``out.write`` (a
+    checksumming stream checksums them block by block). ``frames``: a cache of
+    :func:`tensor_frame` by (dtype, shape) that the caller keeps for the tensors of one file.
     """
-    writer = TorchFileWriter(out)
-    write_preamble(writer, _pickled_tensor(tensor.dtype, tuple(tensor.shape)))
-    writer.write_record("data/0", tensor_memory(tensor), align=True, write_data=write_data)
-    write_postamble(writer)
+    key = (tensor.dtype, tuple(tensor.shape))
+    frame = frames.get(key) if frames is not None else None
+    if frame is None:
+        frame = tensor_frame(tensor)
+        if frames is not None:
+            frames[key] = frame
+    head, tail = frame
+    out.write(head)
+    view = tensor_memory(tensor)
+    if write_data is not None:
+        write_data(view)
+    else:
+        for start in range(0, view.nbytes, SLICE):
+            out.write(view[start : start + SLICE])
+    out.write(tail)
 
 
 # ---------------------------------------------------------------------------------------------

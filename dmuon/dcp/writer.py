@@ -81,8 +81,9 @@ class _ChecksummingStream:
         return self.pos
 
 
-def _write_item(stream: _ChecksummingStream, data) -> ItemChecksums:
-    """One item at the stream's position; its segments' checksums, as the manifest keeps them."""
+def _write_item(stream: _ChecksummingStream, data, frames: dict) -> ItemChecksums:
+    """One item at the stream's position; its segments' checksums, as the manifest keeps them.
+    ``frames``: the zip framing of tensors already written to this file, by dtype and shape."""
     start, first = stream.tell(), len(stream.checksums)
     if isinstance(data, io.BytesIO):
         stream.write(data.getbuffer())
@@ -98,7 +99,7 @@ def _write_item(stream: _ChecksummingStream, data) -> ItemChecksums:
         stream.write_blocks(view, block)
         marks.append(stream.tell())
 
-    write_tensor_payload(stream, tensor, write_data=write_data)
+    write_tensor_payload(stream, tensor, write_data=write_data, frames=frames)
     stream.cut()
     end = stream.tell()
     return ItemChecksums(end - start, marks[0] - start, block, end - marks[-1], stream.checksums[first:])
@@ -191,13 +192,14 @@ class DMuonStorageWriter(StorageWriter):
         """One rank's data file, start to end (so a failed attempt can simply be redone)."""
         results = []
         checksums: dict[int, ItemChecksums] = {}
+        frames: dict = {}
         # bytes first (small), then tensors in plan order
         items = sorted(items, key=lambda item: item.type != WriteItemType.BYTE_IO)
         with self._store().open_write(name) as raw:
             stream = _ChecksummingStream(raw, WRITE_CHECKSUM)
             for item in items:
                 offset = stream.tell()
-                checksums[offset] = _write_item(stream, planner.resolve_data(item))
+                checksums[offset] = _write_item(stream, planner.resolve_data(item), frames)
                 length = checksums[offset].length
                 results.append(
                     WriteResult(index=item.index, size_in_bytes=length, storage_data=StorageInfo(name, offset, length))

@@ -54,3 +54,15 @@ def test_a_multi_tensor_file_with_shared_storages_loads():
     assert list(loaded) == ["a", "tied", "b"]
     assert torch.equal(loaded["a"], a) and torch.equal(loaded["tied"], a) and torch.equal(loaded["b"], b)
     assert loaded["a"].untyped_storage().data_ptr() == loaded["tied"].untyped_storage().data_ptr()
+
+
+def test_cached_frames_write_the_same_bytes_as_fresh_ones():
+    frames: dict = {}
+    tensors = [torch.randn(3, 5), torch.randn(3, 5), torch.randn(5, 3), torch.randn(3, 5).to(torch.bfloat16)]
+    for tensor in tensors:
+        cached, fresh = io.BytesIO(), io.BytesIO()
+        torch_file.write_tensor_payload(cached, tensor, frames=frames)
+        torch_file.write_tensor_payload(fresh, tensor)
+        assert cached.getvalue() == fresh.getvalue()
+        assert torch.equal(torch.load(io.BytesIO(cached.getvalue()), weights_only=True), tensor)
+    assert len(frames) == 3  # one per (dtype, shape)
