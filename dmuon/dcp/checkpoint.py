@@ -277,8 +277,7 @@ def _check_storage_ranges(files: dict[str, int], metadata: Metadata, manifest: M
                 raise CheckpointCorruptError(
                     f"{where}: data file {name} has {size} bytes, the manifest says {stats.size} (truncated?)"
                 )
-            item = stats.items.get(info.offset)
-            if item is None or item.length != info.length:
+            if stats.item_length(info.offset) != info.length:
                 raise CheckpointCorruptError(f"{where}: {index.fqn} in {name} does not match the manifest")
 
 
