@@ -1,7 +1,7 @@
 """How checkpoint cost grows with the number of tensors and ranks: dmuon against torch DCP.
 
     python benchmarks/scale.py [--tensors 2000 10000] [--worlds 8 16] [--saves 2] [--nodes]
-                               [--root DIR] [--json PATH]
+                               [--peer-gc-paused] [--profile DIR] [--root DIR] [--json PATH]
 
 The model: ``--tensors`` small fp32 matrices (32x32, 4 KiB each: the cost here is per item, not
 per byte), every other one dedicated, the rest FSDP2; torch's DCP saves the same model built
@@ -18,6 +18,10 @@ methods, subclassed here), where the time goes: ``local plan`` (every rank), ``g
 ``metadata`` (every rank reads and unpickles ``.metadata``). Sizes: ``.metadata`` and dmuon's
 manifest.
 
+dmuon's ``save``/``load`` pause Python's garbage collector; ``--peer-gc-paused`` adds torch's
+DCP with the collector paused the same way, to tell that part of the difference from the rest.
+torch's planner runs with its own plan caching on (the peer at its best on repeated saves).
+
 ``--nodes`` adds a 2-"node" run: two ``torchrun --nnodes 2`` agents on this machine meeting
 through c10d rendezvous, 4 ranks each, an HSDP mesh (replicate across the two nodes, shard
 within one), ``--tensors`` of the first value.
@@ -29,6 +33,7 @@ run. Everything written goes under one temporary directory that is removed at th
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -49,6 +54,7 @@ import torch  # noqa: E402
 
 SHAPE = (32, 32)
 METHODS = ("dmuon", "torch")
+PEER_GC_PAUSED = "torch, gc paused"  # --peer-gc-paused: torch's DCP with the collector paused too
 
 
 # ---------------------------------------------------------------------------------------------
@@ -64,8 +70,9 @@ STEPS = {  # method name -> phase it belongs to
 }
 
 
-def timed(cls, clock: dict):
-    """A subclass of ``cls`` whose DCP steps add their seconds to ``clock[phase]``."""
+def timed(cls, clock: dict, tag: str = ""):
+    """A subclass of ``cls`` whose DCP steps add their seconds to ``clock[phase]`` (``tag`` in
+    its name: torch's plan caching keys its class-level cache by class name)."""
 
     def wrap(name):
         base = getattr(cls, name)
@@ -82,7 +89,7 @@ def timed(cls, clock: dict):
 
         return method
 
-    return type(f"Timed{cls.__name__}", (cls,), {n: wrap(n) for n in STEPS if hasattr(cls, n)})
+    return type(f"Timed{tag}{cls.__name__}", (cls,), {n: wrap(n) for n in STEPS if hasattr(cls, n)})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -148,8 +155,8 @@ def _profiled(fn, path: str | None):
     return run
 
 
-def worker(rank, world, n_tensors, run_dir, saves, replicate=1, profile_dir=None):
-    """Both methods, interleaved: ``saves`` saves of each, then a load of the last."""
+def worker(rank, world, n_tensors, run_dir, saves, replicate=1, profile_dir=None, methods=METHODS):
+    """The methods, interleaved: ``saves`` saves of each, then a load of the last."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
@@ -167,14 +174,16 @@ def worker(rank, world, n_tensors, run_dir, saves, replicate=1, profile_dir=None
     dmuon_writer = timed(ddcp.DMuonStorageWriter, clock)
     dmuon_reader = timed(ddcp.DMuonStorageReader, clock)
     torch_planner = timed(dcp.DefaultSavePlanner, clock)
+    torch_planner_gc_paused = timed(dcp.DefaultSavePlanner, clock, "GcPaused")
     torch_loader = timed(dcp.DefaultLoadPlanner, clock)
     torch_writer = timed(dcp.FileSystemWriter, clock)
     torch_reader = timed(dcp.FileSystemReader, clock)
     # One planner object per method for the whole run, as a training job keeps one: the
     # repeated saves are where caching the plan of an unchanged layout can pay.
-    # torch's planner with its own plan caching on: the peer at its best on repeated saves.
     planners = {"dmuon": dmuon_planner(plan_cache=ddcp.SavePlanCache()),
-                "torch": torch_planner(enable_plan_caching=True)}
+                "torch": torch_planner(enable_plan_caching=True),
+                PEER_GC_PAUSED: torch_planner_gc_paused(enable_plan_caching=True)}
+    collector = {"dmuon": paused_gc, "torch": contextlib.nullcontext, PEER_GC_PAUSED: paused_gc}
 
     # dmuon's two methods are dmuon.dcp.save / load spelled out (to put timers in): AppState,
     # dmuon's planner, writer / reader, garbage collector paused.
@@ -184,7 +193,8 @@ def worker(rank, world, n_tensors, run_dir, saves, replicate=1, profile_dir=None
             with paused_gc():
                 dcp.save(state, storage_writer=dmuon_writer(path), planner=planners["dmuon"])
         else:
-            dcp.save(plain.state_dict(), storage_writer=torch_writer(path), planner=planners["torch"])
+            with collector[method]():
+                dcp.save(plain.state_dict(), storage_writer=torch_writer(path), planner=planners[method])
 
     def load(method, path):
         if method == "dmuon":
@@ -195,19 +205,23 @@ def worker(rank, world, n_tensors, run_dir, saves, replicate=1, profile_dir=None
             app.load_state_dict(state)
         else:
             state = plain.state_dict()
-            dcp.load(state, storage_reader=torch_reader(path), planner=torch_loader())
+            with collector[method]():
+                dcp.load(state, storage_reader=torch_reader(path), planner=torch_loader())
             plain.load_state_dict(state)
 
-    samples: dict = {m: {"save": [], "load": []} for m in METHODS}
+    def directory(method, i):
+        return f"{run_dir}/{method.replace(', ', '-').replace(' ', '-')}-{i}"
+
+    samples: dict = {m: {"save": [], "load": []} for m in methods}
     sizes: dict = {}
     for i in range(saves):
-        for method in METHODS if i % 2 == 0 else METHODS[::-1]:
-            path = f"{run_dir}/{method}-{i}"
-            prof = f"{profile_dir}/{method}-save{i}-rank{rank}.prof" if profile_dir else None
+        for method in methods if i % 2 == 0 else methods[::-1]:
+            path = directory(method, i)
+            prof = f"{profile_dir}/{method.split(',')[0]}-save{i}-rank{rank}.prof" if profile_dir else None
             samples[method]["save"].append(_measure(_profiled(lambda m=method, p=path: save(m, p), prof), clock))
-    for method in METHODS:
-        path = f"{run_dir}/{method}-{saves - 1}"
-        prof = f"{profile_dir}/{method}-load-rank{rank}.prof" if profile_dir else None
+    for method in methods:
+        path = directory(method, saves - 1)
+        prof = f"{profile_dir}/{method.split(',')[0]}-load-rank{rank}.prof" if profile_dir else None
         samples[method]["load"].append(_measure(_profiled(lambda m=method, p=path: load(m, p), prof), clock))
         if rank == 0:
             names = os.listdir(path)
@@ -219,8 +233,8 @@ def worker(rank, world, n_tensors, run_dir, saves, replicate=1, profile_dir=None
     dist.barrier()
     if rank == 0:
         for i in range(saves):
-            for method in METHODS:
-                shutil.rmtree(f"{run_dir}/{method}-{i}", ignore_errors=True)
+            for method in methods:
+                shutil.rmtree(directory(method, i), ignore_errors=True)
     dist.barrier()
     return {"samples": samples, "sizes": sizes, "build_s": build_s}
 
@@ -261,24 +275,26 @@ LOAD_PHASES = ("metadata", "local plan", "global plan", "read")
 
 def print_case(label: str, merged: dict, sizes: dict, build_s: float) -> None:
     print(f"\n[{label}] (model build {build_s:.1f}s)")
-    head = f"  {'':<22}{'wall s':>8}{'CPU s':>8}" + "".join(f"{p:>13}" for p in SAVE_PHASES)
+    head = f"  {'':<30}{'wall s':>8}{'CPU s':>8}" + "".join(f"{p:>13}" for p in SAVE_PHASES)
+    methods = list(merged)
     print(head)
-    for method in METHODS:
+    for method in methods:
         for j, s in enumerate(merged[method]["save"]):
             cells = "".join(f"{s['phases'].get(p, 0.0):>13.3f}" for p in SAVE_PHASES)
-            print(f"  {method + ' save #' + str(j + 1):<22}{s['wall_s']:>8.2f}{s['cpu_s']:>8.2f}{cells}")
-    print(f"  {'':<22}{'':>16}" + "".join(f"{p:>13}" for p in LOAD_PHASES))
-    for method in METHODS:
+            print(f"  {method + ' save #' + str(j + 1):<30}{s['wall_s']:>8.2f}{s['cpu_s']:>8.2f}{cells}")
+    print(f"  {'':<30}{'':>16}" + "".join(f"{p:>13}" for p in LOAD_PHASES))
+    for method in methods:
         s = merged[method]["load"][0]
         cells = "".join(f"{s['phases'].get(p, 0.0):>13.3f}" for p in LOAD_PHASES)
-        print(f"  {method + ' load':<22}{s['wall_s']:>8.2f}{s['cpu_s']:>8.2f}{cells}")
-    for method in METHODS:
+        print(f"  {method + ' load':<30}{s['wall_s']:>8.2f}{s['cpu_s']:>8.2f}{cells}")
+    for method in methods:
         sz = sizes[method]
         print(f"  {method}: .metadata {sz['metadata_bytes'] / 2**20:.2f} MiB, manifest "
               f"{sz['manifest_bytes'] / 2**20:.2f} MiB, {sz['files']} files")
-    last = {m: merged[m]["save"][-1]["wall_s"] for m in METHODS}
-    load = {m: merged[m]["load"][0]["wall_s"] for m in METHODS}
-    print(f"  dmuon / torch: last save {last['dmuon'] / last['torch']:.2f}x, load {load['dmuon'] / load['torch']:.2f}x")
+    last = {m: merged[m]["save"][-1]["wall_s"] for m in methods}
+    load = {m: merged[m]["load"][0]["wall_s"] for m in methods}
+    for peer in methods[1:]:
+        print(f"  dmuon / {peer}: last save {last['dmuon'] / last[peer]:.2f}x, load {load['dmuon'] / load[peer]:.2f}x")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -321,6 +337,8 @@ def parse_args(argv=None):
     parser.add_argument("--worlds", type=int, nargs="*", default=[8, 16])
     parser.add_argument("--saves", type=int, default=2, help="saves in a row per method (default 2)")
     parser.add_argument("--nodes", action="store_true", help="also the 2-node torchrun run (HSDP 2x4)")
+    parser.add_argument("--peer-gc-paused", action="store_true",
+                        help="also torch's DCP with Python's garbage collector paused, as dmuon's save/load pause it")
     parser.add_argument("--root", default=None, help="where checkpoints go (default: a temp dir)")
     parser.add_argument("--json", default=None)
     parser.add_argument("--timeout", type=float, default=3600)
@@ -350,7 +368,9 @@ def main(argv=None) -> None:
     try:
         cases = [(n, w) for n in args.tensors for w in args.worlds]
         for n, world in cases:
-            per_rank = run_ranks(worker, world, n, run_dir, args.saves, profile_dir=args.profile, timeout=args.timeout)
+            methods = METHODS + ((PEER_GC_PAUSED,) if args.peer_gc_paused else ())
+            per_rank = run_ranks(worker, world, n, run_dir, args.saves, profile_dir=args.profile, methods=methods,
+                                 timeout=args.timeout)
             merged = _merge(per_rank)
             label = f"{n} tensors, {world} ranks"
             print_case(label, merged, per_rank[0]["sizes"], max(r["build_s"] for r in per_rank))

@@ -22,8 +22,9 @@ def dcp_examples_worker(rank, world, workdir, phase, s3):
              "endpoint": s3["endpoint_url"], "key": s3["key"], "secret": s3["secret"]}
     if phase == "save":
         train(model, optimizer, rank, world, range(2))
-        for name in ("dcp-save", "dcp-async", "torch-dcp", "dcp-s3"):
+        for name in ("dcp-save", "dcp-async", "torch-dcp", "dcp-s3", "dcp-plan-cache"):
             exec(code[name], scope)
+        assert scope["cache"].local_hits == 1  # the second save reused its plan
     else:
         exec(code["dcp-load"], scope)
         assert scope["step"] == 100
@@ -34,7 +35,7 @@ def test_dcp_examples_run_as_written(tmp_path, s3_server):
     import fsspec
 
     saved = run_ranks(dcp_examples_worker, 4, tmp_path, "save", s3_server.storage_options)[0]
-    for name in ("step-100", "step-200", "torch-style"):
+    for name in ("step-100", "step-200", "torch-style", "cached-300", "cached-400"):
         assert (tmp_path / "checkpoints" / name / ".metadata").exists(), name
     fs = fsspec.filesystem("s3", **s3_server.storage_options)
     assert fs.exists("my-bucket/run-7/step-100/.metadata")
