@@ -4,7 +4,7 @@
                                [--peer-gc-paused] [--profile DIR] [--root DIR] [--json PATH]
 
 The model: ``--tensors`` small fp32 matrices (32x32, 4 KiB each: the cost here is per item, not
-per byte), every other one dedicated, the rest FSDP2; torch's DCP saves the same model built
+per byte) in blocks of 50, every other one dedicated, the rest FSDP2; torch's DCP saves the same model built
 with nothing dedicated (all FSDP2, as many tensors). Model weights only. For each (tensors,
 world) pair, one launch of ranks runs, interleaved: ``--saves`` saves in a row of each method
 into fresh directories (the second one is what a training job pays every time: layout
@@ -95,9 +95,23 @@ def timed(cls, clock: dict, tag: str = ""):
 # ---------------------------------------------------------------------------------------------
 # ranks
 # ---------------------------------------------------------------------------------------------
+BLOCK = 50  # tensors per block: a model is nested like a real one (torch's load_state_dict
+# filters keys per child, so a flat 10,000-child Sequential costs it 10^8 string compares)
+
+
 def _model(n_tensors: int):
     torch.manual_seed(0)
-    return torch.nn.Sequential(*[torch.nn.Linear(SHAPE[1], SHAPE[0], bias=False) for _ in range(n_tensors)])
+    blocks = []
+    for start in range(0, n_tensors, BLOCK):
+        count = min(BLOCK, n_tensors - start)
+        blocks.append(torch.nn.Sequential(*[torch.nn.Linear(SHAPE[1], SHAPE[0], bias=False) for _ in range(count)]))
+    return torch.nn.Sequential(*blocks)
+
+
+def _is_dedicated(name: str) -> bool:
+    """Every other tensor, counted over the whole model ("<block>.<index>.weight")."""
+    block, index = name.split(".")[:2]
+    return (int(block) * BLOCK + int(index)) % 2 == 0
 
 
 def _build(n_tensors: int, dedicated: bool, replicate: int):
@@ -113,7 +127,7 @@ def _build(n_tensors: int, dedicated: bool, replicate: int):
     else:
         mesh = init_device_mesh("cpu", (world,))
     model = _model(n_tensors)
-    predicate = (lambda n, p: int(n.split(".")[0]) % 2 == 0) if dedicated else (lambda n, p: False)
+    predicate = (lambda n, p: _is_dedicated(n)) if dedicated else (lambda n, p: False)
     dmuon.dedicate_params(model, mesh, predicate)
     fully_shard(model, mesh=mesh)  # one FSDP2 group: per-tensor costs are what is measured
     return model
@@ -203,11 +217,9 @@ def worker(rank, world, n_tensors, run_dir, saves, replicate=1, profile_dir=None
             with paused_gc():
                 dcp.load(state, storage_reader=dmuon_reader(path), planner=dmuon_loader())
             app.load_state_dict(state)
-        else:
-            state = plain.state_dict()
+        else:  # FSDP2's DTensors are loaded in place: no load_state_dict needed
             with collector[method]():
-                dcp.load(state, storage_reader=torch_reader(path), planner=torch_loader())
-            plain.load_state_dict(state)
+                dcp.load(plain.state_dict(), storage_reader=torch_reader(path), planner=torch_loader())
 
     def directory(method, i):
         return f"{run_dir}/{method.replace(', ', '-').replace(' ', '-')}-{i}"
