@@ -116,6 +116,14 @@ def tensor_memory(tensor: torch.Tensor) -> memoryview:
     return memoryview(flat.numpy())  # type: ignore[arg-type]
 
 
+def _write_in_slices(out: Any, data) -> int:
+    """``data`` to ``out`` in :data:`SLICE`-sized writes; the number of bytes written."""
+    view = memoryview(data).cast("B")
+    for start in range(0, view.nbytes, SLICE):
+        out.write(view[start : start + SLICE])
+    return view.nbytes
+
+
 # ---------------------------------------------------------------------------------------------
 # the zip container
 # ---------------------------------------------------------------------------------------------
@@ -132,10 +140,7 @@ class TorchFileWriter:
         self._central: list[bytes] = []
 
     def _write(self, data) -> None:
-        view = memoryview(data).cast("B")
-        for start in range(0, view.nbytes, SLICE):
-            self.out.write(view[start : start + SLICE])
-        self.pos += view.nbytes
+        self.pos += _write_in_slices(self.out, data)
 
     def write_record(
         self, name: str, data, *, align: bool = False, write_data: Callable[[memoryview], None] | None = None
@@ -300,8 +305,7 @@ def write_tensor_payload(
     if write_data is not None:
         write_data(view)
     else:
-        for start in range(0, view.nbytes, SLICE):
-            out.write(view[start : start + SLICE])
+        _write_in_slices(out, view)
     out.write(tail)
 
 
