@@ -141,13 +141,13 @@ class SavePlanCache:
     ) -> list[SavePlan]:
         """Cache a new global plan under a new token; what to send each rank (a marker where
         its final plan is the one it has already, so it is not sent again)."""
-        before, previous = self.global_plans, self.token
+        before, previous = self.global_plans, self.token or ""
         token = uuid.uuid4().hex
         olds: list[SavePlan | None] = [None] * len(global_plans)
         if previous and before is not None and len(before) == len(global_plans):
-            olds = list(before)
+            olds = list(before)  # a rank's final plan can only be reused under the previous token
         out: list[SavePlan] = [
-            _marker(previous, token) if old is not None and previous and same_plan(new, old) else _tagged(new, token)
+            _marker(previous, token) if old is not None and same_plan(new, old) else _tagged(new, token)
             for new, old in zip(global_plans, olds)
         ]
         self.token, self.all_local_plans, self.global_plans = token, all_local, global_plans
