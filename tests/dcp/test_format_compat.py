@@ -11,7 +11,12 @@ from tests.helpers.launch import run_ranks
 from tests.helpers.models import OddShapes
 from tests.helpers.setup import make_mesh, max_abs_diff, shard_model
 
-FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "checkpoint-v0.1.0"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
+# fixture -> (the checksum kind its manifest records, the note its save wrote into ``extra``)
+RELEASES = {
+    "checkpoint-v0.1.0": ("crc32", "written by dmuon c885f44"),  # manifest version 1
+    "checkpoint-v0.2-crc32c": ("crc32c", "written by dmuon 65a0d7c"),  # manifest version 2
+}
 DEDICATED = ("mid.weight", "out.weight", "gate.weight", "inp.bias")
 
 
@@ -24,13 +29,15 @@ def load_worker(rank, world, path):
             "optim": dmuon.get_optimizer_state_dict(model, opt)}
 
 
+@pytest.mark.parametrize("release", sorted(RELEASES))
 @pytest.mark.parametrize("world", [2, 3])
-def test_a_v0_1_checkpoint_loads_bit_exactly(tmp_path, world):
+def test_an_earlier_release_checkpoint_loads_bit_exactly(tmp_path, world, release):
+    fixture = FIXTURES / release
     path = tmp_path / "ckpt"
-    shutil.copytree(FIXTURE / "checkpoint", path)  # loading must not need to write
-    expected = torch.load(FIXTURE / "expected.pt", weights_only=True)
+    shutil.copytree(fixture / "checkpoint", path)  # loading must not need to write
+    expected = torch.load(fixture / "expected.pt", weights_only=True)
     got = run_ranks(load_worker, world, str(path))[0]
-    assert got["extra"] == {"step": 2, "note": "written by dmuon c885f44"}
+    assert got["extra"] == {"step": 2, "note": RELEASES[release][1]}
     assert max_abs_diff(got["model"], expected["model"]) == 0.0
     for section in ("fsdp2", "dedicated"):
         assert got["optim"][section].keys() == expected["optim"][section].keys()
@@ -38,12 +45,26 @@ def test_a_v0_1_checkpoint_loads_bit_exactly(tmp_path, world):
             assert max_abs_diff(got["optim"][section][fqn], entry) == 0.0, fqn
 
 
-def test_a_v0_1_checkpoint_verifies_and_exports(tmp_path):
+@pytest.mark.parametrize("release", sorted(RELEASES))
+def test_an_earlier_release_checkpoint_verifies_and_exports(tmp_path, release):
     from safetensors.torch import load_file
 
-    assert ddcp.verify(FIXTURE / "checkpoint") == []
-    doc = ddcp.inspect(FIXTURE / "checkpoint")
-    assert doc["checksum"] == "crc32" and doc["topology"] == {"replicate": 1, "shard": 2}
-    [out] = ddcp.export(FIXTURE / "checkpoint", tmp_path / "hf")
-    expected = torch.load(FIXTURE / "expected.pt", weights_only=True)["model"]
+    fixture = FIXTURES / release
+    assert ddcp.verify(fixture / "checkpoint") == []
+    doc = ddcp.inspect(fixture / "checkpoint")
+    assert doc["checksum"] == RELEASES[release][0] and doc["topology"] == {"replicate": 1, "shard": 2}
+    [out] = ddcp.export(fixture / "checkpoint", tmp_path / "hf")
+    expected = torch.load(fixture / "expected.pt", weights_only=True)["model"]
     assert max_abs_diff(load_file(out), expected) == 0.0
+
+
+@pytest.mark.parametrize("release", sorted(RELEASES))
+def test_an_earlier_release_checkpoint_still_catches_a_flipped_byte(tmp_path, release):
+    path = tmp_path / "ckpt"
+    shutil.copytree(FIXTURES / release / "checkpoint", path)
+    victim = max(path.glob("*.distcp"), key=lambda p: p.stat().st_size)
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    victim.write_bytes(bytes(data))
+    problems = ddcp.verify(path)
+    assert len(problems) == 1 and problems[0].startswith(f"{victim.name}: checksum mismatch"), problems
