@@ -28,9 +28,10 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from ..compat import StorageInfo
+from .checksums import CHECKSUMS, checksum_of
 from .errors import CheckpointCorruptError, CheckpointIncompleteError, CheckpointNotFoundError
 from .format import METADATA, RESERVED_KEY, is_manifest_name, rank_of_data_file
-from .manifest import CHECKSUMS, FileStats, ItemChecksums, Manifest, checksum_of, decode_manifest
+from .manifest import V1_CHECKSUM, FileStats, ItemChecksums, Manifest, decode_manifest
 from .safe_metadata import load_metadata_bytes
 from .store import Store, checked_name, open_store
 from .torch_file import tensor_from_payload
@@ -122,7 +123,7 @@ class CheckpointListing:
         info = self.metadata.storage_data[index]
         item = self.data_blocks(index)
         assert item is not None and self.manifest is not None
-        update = CHECKSUMS[self.manifest.checksum]
+        of = CHECKSUMS[self.manifest.checksum].of
         data_start = info.offset + item.head
         data_len = item.length - item.head - item.tail
         stop = start + out.nbytes
@@ -144,25 +145,25 @@ class CheckpointListing:
             target = out[r_start - start : r_stop - start]
             _read_exactly(stream, data_start + r_start, target, index.fqn)
             self.bytes_read += r_stop - r_start
-            for k in range(lo, hi + 1):
-                offset = k * block - r_start
-                self._check_block(update(target[offset : offset + block], 0), item, first_checksum + k, index)
+            got = [of(target[offset : offset + block]) for offset in range(0, r_stop - r_start, block)]
+            if got != item.checksums[first_checksum + lo : first_checksum + hi + 1]:
+                self._raise_mismatch(index)
         for k in sorted({first, last} - set(range(lo, hi + 1))):  # blocks the range only partly covers
             b_start, b_stop = k * block, min((k + 1) * block, data_len)
             buffer = bytearray(b_stop - b_start)
             _read_exactly(stream, data_start + b_start, memoryview(buffer), index.fqn)
             self.bytes_read += b_stop - b_start
-            self._check_block(update(buffer, 0), item, first_checksum + k, index)
+            if of(buffer) != item.checksums[first_checksum + k]:
+                self._raise_mismatch(index)
             lo_byte, hi_byte = max(start, b_start), min(stop, b_stop)
             out[lo_byte - start : hi_byte - start] = memoryview(buffer)[lo_byte - b_start : hi_byte - b_start]
 
-    def _check_block(self, got: int, item: ItemChecksums, position: int, index: MetadataIndex) -> None:
-        if got != item.checksums[position]:
-            info = self.metadata.storage_data[index]
-            raise CheckpointCorruptError(
-                f"checksum mismatch in {self.store.url}/{info.relative_path} in the item at offset "
-                f"{info.offset} ({index.fqn}): the data file is corrupted"
-            )
+    def _raise_mismatch(self, index: MetadataIndex) -> None:
+        info = self.metadata.storage_data[index]
+        raise CheckpointCorruptError(
+            f"checksum mismatch in {self.store.url}/{info.relative_path} in the item at offset "
+            f"{info.offset} ({index.fqn}): the data file is corrupted"
+        )
 
     def read_tensor(self, index: MetadataIndex, stream: BinaryIO | None = None) -> torch.Tensor:
         """One stored chunk as a tensor (a view over the verified bytes where possible)."""
@@ -212,34 +213,35 @@ def _verify_stream(
         end = offset + item.length
     if end != stats.size:
         return f"manifest items cover {end} bytes of {stats.size}"
-    update, whole_update = CHECKSUMS[kind], CHECKSUMS["crc32"]
+    segment_kind, whole_file = CHECKSUMS[kind], CHECKSUMS[V1_CHECKSUM].new()
+    digest = segment_kind.new()
     pending = iter(segments)
     current = next(pending, None)
-    pos = running = whole = size = 0
+    pos = size = 0
     bad_offsets: list[int] = []
     while chunk := stream.read(_VERIFY_BLOCK):
         view = memoryview(chunk)
         size += len(view)
         if stats.whole_file is not None:
-            whole = whole_update(view, whole)
+            whole_file.update(view)
         i = 0
         while current is not None:
             offset, length, expected, item_offset = current
             take = min(len(view) - i, offset + length - pos)
-            running = update(view[i : i + take], running)
+            digest.update(view[i : i + take])
             i += take
             pos += take
             if pos < offset + length:
                 break  # the segment continues in the next chunk
-            if running != expected and item_offset not in bad_offsets:
+            if digest.intdigest() != expected and item_offset not in bad_offsets:
                 bad_offsets.append(item_offset)
-            running = 0
+            digest = segment_kind.new()
             current = next(pending, None)
         if progress is not None:
             progress(len(view))
     if size != stats.size:
         return f"{size} bytes, the manifest says {stats.size} (truncated or extended)"
-    if bad_offsets or (stats.whole_file is not None and whole != stats.whole_file):
+    if bad_offsets or (stats.whole_file is not None and whole_file.intdigest() != stats.whole_file):
         where = f" in the item(s) at byte {', '.join(map(str, bad_offsets[:5]))}" if bad_offsets else ""
         return f"checksum mismatch (corrupted){where}"
     return None

@@ -3,24 +3,27 @@
 Written by the coordinator just before ``.metadata``; one line of JSON, then a line with the
 checksum of exactly that line, so any change to any byte of the manifest is detected.
 
-Version 2 (written since dmuon 0.2)::
+Version 3 (written since dmuon 0.3)::
 
-    {"format": "dmuon-manifest/2", "checksum": "crc32c", "save_id": "<hex>",
+    {"format": "dmuon-manifest/3", "checksum": "xxh3-64", "save_id": "<hex>",
      "metadata": {"size": <bytes of .metadata>, "checksum": <int>},
      "files": {"<data file>": {"size": <bytes>,
                                "items": {"<offset>": [<length>, <head>, <block>, <tail>, "<checksums>"]}}}}
     crc32c=<8 hex digits of the line above>
 
-The items of a file tile it end to end, and each item is cut into *segments* that tile it: a
-head of ``head`` bytes, then its data region in blocks of ``block`` bytes (the last one may be
-shorter), then a tail of ``tail`` bytes; ``<checksums>`` is the base64 of the little-endian
-uint32 checksums of the non-empty segments, in order. For a tensor the data region is exactly
-the tensor's bytes, so a reader that needs only some rows reads and verifies only the blocks
-holding them; an object is one head segment (``block`` 0). Every byte is covered once.
+``checksum`` names a kind of :mod:`.checksums`. The items of a file tile it end to end, and
+each item is cut into *segments* that tile it: a head of ``head`` bytes, then its data region
+in blocks of ``block`` bytes (the last one may be shorter), then a tail of ``tail`` bytes;
+``<checksums>`` is the base64 of the checksums of the non-empty segments, in order, each a
+little-endian unsigned integer of the kind's width (8 bytes for ``xxh3-64``). For a tensor the
+data region is exactly the tensor's bytes, so a reader that needs only some rows reads and
+verifies only the blocks holding them; an object is one head segment (``block`` 0). Every byte
+is covered once.
 
-Version 1 (dmuon 0.1) is still read: the same layout with zlib CRC-32 under ``crc32`` keys
-and a ``crc32=`` trailer; its oldest manifests also carry a whole-file ``crc32`` per file,
-which :class:`FileStats.whole_file` keeps for verification.
+Earlier versions are still read and verified. Version 2 (dmuon 0.2) is version 3 with
+``crc32c`` as the only kind (4-byte values). Version 1 (dmuon 0.1) is the same layout with
+zlib CRC-32 under ``crc32`` keys and a ``crc32=`` trailer; its oldest manifests also carry a
+whole-file ``crc32`` per file, which :class:`FileStats.whole_file` keeps for verification.
 """
 
 from __future__ import annotations
@@ -28,42 +31,30 @@ from __future__ import annotations
 import base64
 import json
 import struct
-import zlib
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
-import crc32c as _crc32c_library
-
+from .checksums import CHECKSUMS, checksum_of
 from .errors import CheckpointCorruptError
 
 __all__ = [
-    "CHECKSUMS",
     "EncodedItems",
     "FileStats",
     "ItemChecksums",
     "Manifest",
     "block_size_for",
-    "checksum_of",
     "decode_manifest",
     "encode_manifest",
 ]
 
 MANIFEST_V1 = "dmuon-manifest/1"
 MANIFEST_V2 = "dmuon-manifest/2"
-
-
-def _crc32(data, running: int = 0) -> int:
-    return zlib.crc32(data, running) & 0xFFFFFFFF
-
-
-def _crc32c(data, running: int = 0) -> int:
-    return _crc32c_library.crc32c(data, running)
-
-
-#: Checksum kinds by name: ``update(data, running) -> running``; start from 0. CRC-32C runs
-#: in hardware (SSE 4.2 / ARMv8 CRC) at several GiB/s, about 3x zlib's CRC-32 here.
-CHECKSUMS: dict[str, Callable[..., int]] = {"crc32": _crc32, "crc32c": _crc32c}
-WRITE_CHECKSUM = "crc32c"
+MANIFEST_V3 = "dmuon-manifest/3"
+# The checksum of the manifest's own line: CRC-32C from version 2 on (the line is small),
+# zlib CRC-32 in version 1, which also used it for everything else.
+_TRAILER_CHECKSUM = "crc32c"
+V1_CHECKSUM = "crc32"
+_TRAILERS = (_TRAILER_CHECKSUM, V1_CHECKSUM)
 
 
 MIN_BLOCK = 16 << 10
@@ -78,10 +69,6 @@ def block_size_for(nbytes: int) -> int:
     while nbytes > block * MAX_BLOCKS_PER_ITEM:
         block *= 2
     return block
-
-
-def checksum_of(kind: str, data) -> int:
-    return CHECKSUMS[kind](data, 0)
 
 
 @dataclass
@@ -125,8 +112,9 @@ class EncodedItems(Mapping[int, ItemChecksums]):
     time); :meth:`length` answers the range checks without decoding anything.
     """
 
-    def __init__(self, name: str, encoded: dict[str, list]) -> None:
+    def __init__(self, name: str, encoded: dict[str, list], checksum: str) -> None:
         self._name = name
+        self._checksum = checksum
         try:
             self._encoded = {int(offset): value for offset, value in encoded.items()}
         except (TypeError, ValueError) as exc:
@@ -142,7 +130,7 @@ class EncodedItems(Mapping[int, ItemChecksums]):
         if item is None:
             value = self._encoded[offset]  # KeyError: no item there
             try:
-                item = _decode_item(value)
+                item = _decode_item(value, self._checksum)
             except (TypeError, ValueError, struct.error) as exc:
                 raise CheckpointCorruptError(f"the manifest's entry for {self._name} at {offset} is malformed") from exc
             self._decoded[offset] = item
@@ -172,11 +160,11 @@ class FileStats:
 @dataclass
 class Manifest:
     save_id: str
-    checksum: str  # a key of CHECKSUMS
+    checksum: str  # a key of checksums.CHECKSUMS
     metadata_size: int
     metadata_checksum: int
     files: dict[str, FileStats] = field(default_factory=dict)
-    version: str = MANIFEST_V2
+    version: str = MANIFEST_V3
 
     def describes_metadata(self, metadata_bytes: bytes) -> bool:
         return (
@@ -186,72 +174,84 @@ class Manifest:
 
 
 def encode_manifest(manifest: Manifest) -> bytes:
-    """Version 2, whatever version ``manifest`` was read as."""
+    """Version 3, whatever version ``manifest`` was read as (its checksum kind is kept)."""
     body = {
-        "format": MANIFEST_V2,
+        "format": MANIFEST_V3,
         "checksum": manifest.checksum,
         "save_id": manifest.save_id,
         "metadata": {"size": manifest.metadata_size, "checksum": manifest.metadata_checksum},
         "files": {
-            name: {"size": stats.size, "items": {str(o): _encode_item(v) for o, v in sorted(stats.items.items())}}
+            name: {"size": stats.size, "items": _encode_items(stats, manifest.checksum)}
             for name, stats in manifest.files.items()
         },
     }
     line = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
-    return line + f"\ncrc32c={checksum_of('crc32c', line):08x}\n".encode()
+    return line + f"\n{_TRAILER_CHECKSUM}={checksum_of(_TRAILER_CHECKSUM, line):08x}\n".encode()
 
 
 def decode_manifest(name: str, data: bytes) -> Manifest:
-    """Parse and check a manifest of either version; :class:`CheckpointCorruptError` if any
+    """Parse and check a manifest of any version; :class:`CheckpointCorruptError` if any
     byte of it is wrong."""
     line, _, rest = data.partition(b"\n")
-    trailers = {b"crc32c=": "crc32c", b"crc32=": "crc32"}
+    trailer = rest.partition(b"=")[0].decode("ascii", "replace")
     body = None
-    for prefix, kind in trailers.items():
-        if rest == prefix + f"{checksum_of(kind, line):08x}\n".encode():
-            try:
-                body = json.loads(line)
-            except (ValueError, UnicodeDecodeError):
-                body = None
-            break
-    try:
-        if isinstance(body, dict) and body.get("format") == MANIFEST_V2 and rest.startswith(b"crc32c="):
-            return _from_v2(body)
-        if isinstance(body, dict) and body.get("format") == MANIFEST_V1 and rest.startswith(b"crc32="):
-            return _from_v1(body)
-    except (KeyError, TypeError, ValueError):
-        pass
+    if trailer in _TRAILERS and rest == f"{trailer}={checksum_of(trailer, line):08x}\n".encode():
+        try:
+            body = json.loads(line)
+        except (ValueError, UnicodeDecodeError):
+            body = None
+    if isinstance(body, dict):
+        version = body.get("format")
+        try:
+            if version in _LATER_VERSIONS and trailer == _TRAILER_CHECKSUM:
+                return _from_v2_or_later(body)
+            if version == MANIFEST_V1 and trailer == V1_CHECKSUM:
+                return _from_v1(body)
+        except (KeyError, TypeError, ValueError):
+            pass
     raise CheckpointCorruptError(f"checksum manifest {name} is corrupted (checksum or format mismatch)")
 
 
-def _encode_item(item: ItemChecksums) -> list:
-    packed = base64.b64encode(struct.pack(f"<{len(item.checksums)}I", *item.checksums)).decode()
+def _encode_items(stats: FileStats, checksum: str) -> dict[str, list]:
+    return {str(offset): _encode_item(item, checksum) for offset, item in sorted(stats.items.items())}
+
+
+def _encode_item(item: ItemChecksums, checksum: str) -> list:
+    code = CHECKSUMS[checksum].struct_code
+    packed = base64.b64encode(struct.pack(f"<{len(item.checksums)}{code}", *item.checksums)).decode()
     return [item.length, item.head, item.block, item.tail, packed]
 
 
-def _decode_item(value: list) -> ItemChecksums:
+def _decode_item(value: list, checksum: str) -> ItemChecksums:
     length, head, block, tail, packed = value
+    kind = CHECKSUMS[checksum]
     raw = base64.b64decode(packed, validate=True)
-    checksums = list(struct.unpack(f"<{len(raw) // 4}I", raw))
+    checksums = list(struct.unpack(f"<{len(raw) // kind.width}{kind.struct_code}", raw))
     item = ItemChecksums(int(length), int(head), int(block), int(tail), checksums)
-    if len(raw) % 4 or not item.consistent():
+    if len(raw) % kind.width or not item.consistent():
         raise ValueError(f"inconsistent item {value!r}")
     return item
 
 
-def _from_v2(body: dict) -> Manifest:
-    if body["checksum"] not in CHECKSUMS:
-        raise ValueError(body["checksum"])
+# The kinds each later version may name: version 2 only ever wrote CRC-32C.
+_LATER_VERSIONS = {MANIFEST_V2: {"crc32c"}, MANIFEST_V3: set(CHECKSUMS)}
+
+
+def _from_v2_or_later(body: dict) -> Manifest:
+    version, checksum = body["format"], body["checksum"]
+    if checksum not in _LATER_VERSIONS[version]:
+        raise ValueError(checksum)
     files = {
-        name: FileStats(int(stats["size"]), EncodedItems(name, stats["items"])) for name, stats in body["files"].items()
+        name: FileStats(int(stats["size"]), EncodedItems(name, stats["items"], checksum))
+        for name, stats in body["files"].items()
     }
     return Manifest(
         str(body["save_id"]),
-        body["checksum"],
+        checksum,
         int(body["metadata"]["size"]),
         int(body["metadata"]["checksum"]),
         files,
-        MANIFEST_V2,
+        version,
     )
 
 
@@ -264,6 +264,7 @@ def _from_v1(body: dict) -> Manifest:
         )
         for name, stats in body["files"].items()
     }
+    metadata = body["metadata"]
     return Manifest(
-        str(body["save_id"]), "crc32", int(body["metadata"]["size"]), int(body["metadata"]["crc32"]), files, MANIFEST_V1
+        str(body["save_id"]), V1_CHECKSUM, int(metadata["size"]), int(metadata["crc32"]), files, MANIFEST_V1
     )

@@ -23,10 +23,11 @@ from torch.futures import Future
 
 from ..compat import CURRENT_DCP_VERSION, StorageInfo
 from ..topology import current_rank
+from .checksums import CHECKSUMS, WRITE_CHECKSUM, checksum_of
 from .commit import commit, files_of_committed_saves
 from .errors import CheckpointExistsError
 from .format import METADATA, data_file_name
-from .manifest import CHECKSUMS, WRITE_CHECKSUM, FileStats, ItemChecksums, Manifest, block_size_for, checksum_of
+from .manifest import FileStats, ItemChecksums, Manifest, block_size_for
 from .store import Store, open_store, retrying
 from .torch_file import SLICE, write_tensor_payload
 
@@ -42,16 +43,16 @@ class _ChecksummingStream:
 
     def __init__(self, raw: BinaryIO, kind: str) -> None:
         self.raw = raw
-        self.update = CHECKSUMS[kind]
+        self.kind = CHECKSUMS[kind]
         self.pos = 0
-        self._running = 0
+        self._digest = self.kind.new()
         self._segment_start = 0
         self.checksums: list[int] = []  # of the non-empty segments cut so far
 
     def write(self, data) -> int:
         view = memoryview(data).cast("B")
         self.raw.write(view)
-        self._running = self.update(view, self._running)
+        self._digest.update(view)
         self.pos += view.nbytes
         return view.nbytes
 
@@ -60,19 +61,19 @@ class _ChecksummingStream:
         it: the checksum granularity a partial read needs, at the write size disks like."""
         self.cut()
         step = max(SLICE // block, 1) * block
+        of = self.kind.of
         for start in range(0, view.nbytes, step):
             piece = view[start : start + step]
-            for offset in range(0, piece.nbytes, block):
-                self.checksums.append(self.update(piece[offset : offset + block], 0))
+            self.checksums += [of(piece[offset : offset + block]) for offset in range(0, piece.nbytes, block)]
             self.raw.write(piece)
             self.pos += piece.nbytes
         self._segment_start = self.pos
 
     def cut(self) -> None:
         if self.pos > self._segment_start:
-            self.checksums.append(self._running)
+            self.checksums.append(self._digest.intdigest())
+            self._digest = self.kind.new()
         self._segment_start = self.pos
-        self._running = 0
 
     def flush(self) -> None:
         self.raw.flush()

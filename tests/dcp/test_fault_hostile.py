@@ -13,8 +13,9 @@ import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 
 import dmuon.dcp as ddcp
-from dmuon.dcp.manifest import ItemChecksums, checksum_of, decode_manifest, encode_manifest
 from dmuon.dcp.checkpoint import open_checkpoint
+from dmuon.dcp.checksums import checksum_of
+from dmuon.dcp.manifest import ItemChecksums, decode_manifest, encode_manifest
 from tests.helpers.launch import run_ranks
 from tests.helpers.training import build, train
 
@@ -131,6 +132,6 @@ def test_non_tensor_entry_that_unpickles_arbitrary_objects(pristine, tmp_path, r
     stats.items = {**stats.items, start: ItemChecksums.whole(len(evil), checksum_of(manifest.checksum, evil))}
     rewrite(target, pickle.dumps(md), manifest.files)
     errors = run_ranks(load_worker, 2, str(target))
-    assert all(e and "weights_only" in e.lower() or "unpickl" in (e or "").lower() for e in errors), errors
+    assert all((e and "weights_only" in e.lower()) or "unpickl" in (e or "").lower() for e in errors), errors
     assert not marker.exists()
     reliability_report.setdefault("hostile", {})["code_in_non_tensor_entry"] = "refused, no code ran"
