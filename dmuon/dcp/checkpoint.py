@@ -67,10 +67,7 @@ class CheckpointListing:
             checksum_of(self.manifest.checksum, view[start : start + length]) != expected
             for (start, length), expected in zip(item.segments(), item.checksums)
         ):
-            raise CheckpointCorruptError(
-                f"checksum mismatch in {self.store.url}/{name} at offset {info.offset} ({fqn}): "
-                "the data file is corrupted"
-            )
+            self._raise_mismatch(info, fqn)
 
     def read_item(self, index: MetadataIndex, stream: BinaryIO | None = None) -> bytes:
         """The verified bytes of one stored item (a ``torch.save`` payload or raw bytes)."""
@@ -108,10 +105,7 @@ class CheckpointListing:
             _read_exactly(stream, info.offset + start, memoryview(buffer), index.fqn)
             self.bytes_read += length
             if checksum_of(self.manifest.checksum, buffer) != expected:
-                raise CheckpointCorruptError(
-                    f"checksum mismatch in {self.store.url}/{info.relative_path} at offset {info.offset} "
-                    f"({index.fqn}): the data file is corrupted"
-                )
+                self._raise_mismatch(info, index.fqn)
 
     def read_data_into(self, index: MetadataIndex, stream: BinaryIO, start: int, out: memoryview) -> None:
         """Bytes ``[start, start + len(out))`` of a tensor item's data, straight into ``out``.
@@ -147,22 +141,21 @@ class CheckpointListing:
             self.bytes_read += r_stop - r_start
             got = [of(target[offset : offset + block]) for offset in range(0, r_stop - r_start, block)]
             if got != item.checksums[first_checksum + lo : first_checksum + hi + 1]:
-                self._raise_mismatch(index)
+                self._raise_mismatch(info, index.fqn)
         for k in sorted({first, last} - set(range(lo, hi + 1))):  # blocks the range only partly covers
             b_start, b_stop = k * block, min((k + 1) * block, data_len)
             buffer = bytearray(b_stop - b_start)
             _read_exactly(stream, data_start + b_start, memoryview(buffer), index.fqn)
             self.bytes_read += b_stop - b_start
             if of(buffer) != item.checksums[first_checksum + k]:
-                self._raise_mismatch(index)
+                self._raise_mismatch(info, index.fqn)
             lo_byte, hi_byte = max(start, b_start), min(stop, b_stop)
             out[lo_byte - start : hi_byte - start] = memoryview(buffer)[lo_byte - b_start : hi_byte - b_start]
 
-    def _raise_mismatch(self, index: MetadataIndex) -> None:
-        info = self.metadata.storage_data[index]
+    def _raise_mismatch(self, info: StorageInfo, fqn: str) -> None:
         raise CheckpointCorruptError(
             f"checksum mismatch in {self.store.url}/{info.relative_path} in the item at offset "
-            f"{info.offset} ({index.fqn}): the data file is corrupted"
+            f"{info.offset} ({fqn}): the data file is corrupted"
         )
 
     def read_tensor(self, index: MetadataIndex, stream: BinaryIO | None = None) -> torch.Tensor:
