@@ -2,7 +2,8 @@
 read on a noisy machine.
 
     python benchmarks/save_load.py [--mib 512] [--repeats 5] [--warmup 1] [--worlds 2 4]
-                                   [--reshard 2:4 4:2 4:3] [--roots DIR ...] [--json PATH]
+                                   [--reshard 2:4 4:2 4:3] [--roots DIR ...] [--cache warm|cold]
+                                   [--json PATH]
 
 The model: ``--mib`` worth of square fp32 1024x1024 matrices (``nn.Linear``, no bias), every
 other one dedicated to one rank, the rest FSDP2. Model weights only (optimizer state is more
@@ -45,10 +46,12 @@ What is measured, and why this way:
   the model (for tmpfs also in available RAM) is skipped with a printed line.
 * Saves fsync (dmuon's writer and torch's FileSystemWriter do; raw and flat do it explicitly),
   so on a disk root save times include the device.
-* Page cache: loads read files that were just written, so they are most likely served from
-  the page cache at memory speed, on disk roots too. Dropping the cache
-  (``echo 3 > /proc/sys/vm/drop_caches``) needs root privileges and is not done here: load
-  numbers measure CPU work (read calls, checksums, copies), not the disk.
+* Page cache: before each load (not timed) every file of the checkpoint is put in the same
+  cache state, since the writers leave different ones: dmuon's bypasses the page cache on
+  ext4/xfs (direct I/O), torch's and the raw baseline's fill it. ``--cache warm`` (default)
+  reads each file once, so loads are served from memory and measure CPU work (read calls,
+  checksums, copies); ``--cache cold`` drops the files' cached pages
+  (``posix_fadvise(DONTNEED)``, no root needed), so loads read the device.
 * Reproducibility: run it twice; medians should agree within +-15%. If they do not, the
   machine was too busy (the load average is printed at the start and the end): use more
   ``--repeats`` or a quieter moment, and compare ratios within one run rather than seconds
@@ -163,6 +166,28 @@ def _measure_async(model, path: str) -> dict:
     return {"wall_s": blocking, "cpu_s": cpu, "total_s": time.perf_counter() - t0}
 
 
+def _set_cache(path: str, cache: str) -> None:
+    """Collective: put every file of the checkpoint at ``path`` in the same page-cache state
+    before a load, whatever the save did (dmuon's writer bypasses the cache on ext4/xfs,
+    torch's does not): "warm" reads each file once (loads then measure CPU work), "cold"
+    drops its cached pages with ``posix_fadvise(DONTNEED)`` (loads then read the device)."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    if dist.get_rank() == 0:
+        buffer = bytearray(RAW_BLOCK)
+        for folder, _, names in os.walk(path):
+            for name in names:
+                with open(os.path.join(folder, name), "rb", buffering=0) as f:
+                    if cache == "warm":
+                        while f.readinto(buffer):
+                            pass
+                    else:
+                        os.fsync(f.fileno())
+                        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+    dist.barrier()
+
+
 def _remove(path: str) -> None:
     """Collective: rank 0 deletes a measured checkpoint once every rank is done with it."""
     import torch.distributed as dist
@@ -202,7 +227,7 @@ def _raw_read(path: str, buffer: bytearray) -> None:
 # ---------------------------------------------------------------------------------------------
 # rank workers
 # ---------------------------------------------------------------------------------------------
-def worker(rank, world, n_matrices, run_dir, repeats, warmup):
+def worker(rank, world, n_matrices, run_dir, repeats, warmup, cache):
     """Every method, interleaved, at one world size: per-rank samples of each operation."""
     import torch.distributed.checkpoint as dcp
 
@@ -257,10 +282,9 @@ def worker(rank, world, n_matrices, run_dir, repeats, warmup):
                 results[method] = {"block": _measure_async(model, path)}
             else:
                 save, load = operations[method]
-                results[method] = {
-                    "save": _measure(lambda save=save, path=path: save(path)),
-                    "load": _measure(lambda load=load, path=path: load(path)),
-                }
+                saved = _measure(lambda save=save, path=path: save(path))
+                _set_cache(path, cache)
+                results[method] = {"save": saved, "load": _measure(lambda load=load, path=path: load(path))}
             _remove(path)
         if repeat >= 0:
             orders.append(order)
@@ -283,7 +307,7 @@ def reshard_save_worker(rank, world, n_matrices, path):
     dcp.save(plain_model.state_dict(), storage_writer=dcp.FileSystemWriter(f"{path}/torch"))
 
 
-def reshard_load_worker(rank, world, n_matrices, path, repeats, warmup):
+def reshard_load_worker(rank, world, n_matrices, path, repeats, warmup, cache):
     """Load checkpoints saved at another world size, dmuon and torch DCP interleaved."""
     import torch.distributed.checkpoint as dcp
 
@@ -298,6 +322,7 @@ def reshard_load_worker(rank, world, n_matrices, path, repeats, warmup):
     samples = {method: {"load": []} for method in loads}
     for repeat in range(-warmup, repeats):
         for method in _rotated(RESHARD_METHODS, repeat):
+            _set_cache(f"{path}/{method}", cache)
             sample = _measure(loads[method])
             if repeat >= 0:
                 samples[method]["load"].append(sample)
@@ -403,19 +428,9 @@ def print_reshard(label: str, a: int, b: int, samples: dict, gib: float) -> None
 # storage roots and cleanup (parent process)
 # ---------------------------------------------------------------------------------------------
 def _fs_type(path: str) -> str:
-    """File system type of the mount holding ``path`` (longest mount point prefix)."""
-    path = os.path.realpath(path)
-    best, kind = "", "?"
-    try:
-        with open("/proc/mounts") as mounts:
-            for line in mounts:
-                fields = line.split()
-                point = fields[1].replace("\\040", " ")
-                if (path == point or path.startswith(point.rstrip("/") + "/")) and len(point) >= len(best):
-                    best, kind = point, fields[2]
-    except OSError:
-        pass
-    return kind
+    from dmuon.dcp.local_store import filesystem_type
+
+    return filesystem_type(path) or "?"
 
 
 def _existing_ancestor(path: str) -> str:
@@ -499,6 +514,9 @@ def parse_args(argv=None):
                         help="resharded loads, saved at A ranks, loaded at B (default 2:4 4:2 4:3; none: skip)")
     parser.add_argument("--roots", nargs="+", default=None, metavar="DIR",
                         help="storage roots (default: a local-disk temp dir and /dev/shm)")
+    parser.add_argument("--cache", choices=("warm", "cold"), default="warm",
+                        help="page cache before each load: every file read once (warm, the default) or "
+                             "its pages dropped (cold)")
     parser.add_argument("--json", default=None, metavar="PATH", help="write every repeat's numbers here")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds per launch of ranks (default 3600)")
     args = parser.parse_args(argv)
@@ -523,7 +541,7 @@ def main(argv=None) -> None:
     print(f"{args.repeats} measured repeats (+{args.warmup} warm-up) per method, interleaved, "
           "order rotated each repeat;")
     print("wall = barrier to barrier (slowest rank); CPU-s/GiB = user+sys CPU of every rank around the call, "
-          "summed, / model GiB; loads likely hit the page cache")
+          f"summed, / model GiB; page cache before each load: {args.cache}")
     print("reproducibility: run twice, medians should agree within +-15%; compare ratios within one run")
     report = {
         "command": [sys.executable, *sys.argv], "torch": torch.__version__, "cpus": os.cpu_count(),
@@ -548,7 +566,7 @@ def main(argv=None) -> None:
             print(f"\n== storage root {label}: writing under {run_dir}", flush=True)
 
             for world in args.worlds:
-                per_rank = run_ranks(worker, world, n_matrices, run_dir, args.repeats, args.warmup,
+                per_rank = run_ranks(worker, world, n_matrices, run_dir, args.repeats, args.warmup, args.cache,
                                      timeout=args.timeout)
                 result = {"share_bytes": [r["share_bytes"] for r in per_rank], "orders": per_rank[0]["orders"],
                           "samples": _merge(per_rank)}
@@ -562,7 +580,7 @@ def main(argv=None) -> None:
                 for a, b in args.reshard:
                     if a != source:
                         continue
-                    per_rank = run_ranks(reshard_load_worker, b, n_matrices, path, args.repeats, args.warmup,
+                    per_rank = run_ranks(reshard_load_worker, b, n_matrices, path, args.repeats, args.warmup, args.cache,
                                          timeout=args.timeout)
                     samples = _merge(per_rank)
                     report["reshard"].append({"root": root, "from": a, "to": b, "samples": samples})

@@ -33,6 +33,7 @@ from .errors import (
 from .format import METADATA
 
 __all__ = [
+    "LOCAL_DIRECT_IO_OPTION",
     "RetryPolicy",
     "Store",
     "StoreFactory",
@@ -49,6 +50,9 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+# The one storage option a local path takes (``LocalStore``'s ``direct_io``).
+LOCAL_DIRECT_IO_OPTION = "direct_io"
 
 
 @dataclass(frozen=True)
@@ -158,7 +162,14 @@ def open_store(
         from .local_store import LocalStore
 
         path = text[len("file://") :] if text.startswith("file://") else text
-        return LocalStore(path, sync_files=True if sync_files is None else sync_files)
+        options = dict(storage_options or {})
+        direct_io = options.pop(LOCAL_DIRECT_IO_OPTION, None)
+        if options:
+            raise ValueError(
+                f"storage_options {sorted(options)} do not apply to the local path {text}: a local "
+                f"directory takes only {LOCAL_DIRECT_IO_OPTION!r} (true, false, or null for automatic)"
+            )
+        return LocalStore(path, sync_files=True if sync_files is None else sync_files, direct_io=direct_io)
     if sync_files:
         log.info("sync_files ignored for %s: object stores have no fsync", text)
     from .fsspec_store import FsspecStore
