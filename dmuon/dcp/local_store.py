@@ -50,6 +50,8 @@ class LocalStore:
         if self._direct is None:
             if self.direct_io is None:
                 self._direct = bool(_O_DIRECT) and filesystem_type(self.root) in DIRECT_IO_FILESYSTEMS
+            elif self.direct_io and not _O_DIRECT:
+                raise ValueError(f"direct_io=True for {self.root}, but this platform has no O_DIRECT")
             else:
                 self._direct = self.direct_io
         return self._direct
@@ -242,14 +244,31 @@ class DirectFile:
         self._raise_failure()
         tail = self._filling[aligned : self._filled]
         if tail.nbytes:
-            if self._tail_fd is None:
-                self._tail_fd = os.open(self._path, os.O_WRONLY)
-            _pwrite_all(self._tail_fd, tail, self._base + aligned)
+            _pwrite_all(self._buffered_fd(), tail, self._base + aligned)
         if aligned:
             self._filling[: tail.nbytes] = tail
             self._base += aligned
             self._filled = tail.nbytes
         tail.release()
+
+    def _buffered_fd(self) -> int:
+        """A second descriptor without O_DIRECT, for writes that cannot be aligned."""
+        if self._tail_fd is None:
+            self._tail_fd = os.open(self._path, os.O_WRONLY)
+        return self._tail_fd
+
+    def _write_direct(self, view: memoryview, offset: int) -> None:
+        """Near a limit (disk full, file-size limit) the kernel shortens a write to an
+        unaligned length, which O_DIRECT refuses (EINVAL) or leaves an unaligned rest; the
+        buffered descriptor then writes what it can and raises the real error."""
+        try:
+            written = os.pwrite(self._fd, view, offset)
+        except OSError as error:
+            if error.errno != errno.EINVAL:
+                raise
+            written = 0
+        if written < view.nbytes:
+            _pwrite_all(self._buffered_fd(), view[written:], offset + written)
 
     def _write_jobs(self) -> None:
         while True:
@@ -260,7 +279,7 @@ class DirectFile:
                 buffer, nbytes, offset = job
                 if self._error is None:
                     try:
-                        _pwrite_all(self._fd, buffer[:nbytes], offset)
+                        self._write_direct(buffer[:nbytes], offset)
                     except BaseException as error:  # raised in the caller's thread
                         self._error = error
                 if nbytes == STAGING_BYTES:  # a partial one (flush) stays with the caller

@@ -169,6 +169,8 @@ def open_store(
                 f"storage_options {sorted(options)} do not apply to the local path {text}: a local "
                 f"directory takes only {LOCAL_DIRECT_IO_OPTION!r} (true, false, or null for automatic)"
             )
+        if direct_io not in (None, True, False):
+            raise ValueError(f"storage option {LOCAL_DIRECT_IO_OPTION}={direct_io!r}: want true, false or null")
         return LocalStore(path, sync_files=True if sync_files is None else sync_files, direct_io=direct_io)
     if sync_files:
         log.info("sync_files ignored for %s: object stores have no fsync", text)

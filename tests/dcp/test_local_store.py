@@ -101,6 +101,8 @@ def test_direct_io_is_a_storage_option_of_local_paths(tmp_path):
     assert store.child("sub").direct_io is False
     with pytest.raises(ValueError, match="'anon'.*local path"):
         open_store(str(tmp_path), {"anon": True})
+    with pytest.raises(ValueError, match="direct_io='yes'"):
+        open_store(str(tmp_path), {LOCAL_DIRECT_IO_OPTION: "yes"})
 
 
 def test_filesystem_type_names_the_deepest_mount():
