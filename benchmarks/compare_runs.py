@@ -1,12 +1,13 @@
 """Do two runs of benchmarks/save_load.py agree? Medians side by side, and their difference.
 
-    python benchmarks/compare_runs.py run1.json run2.json [--tolerance 0.15]
+    python benchmarks/compare_runs.py run1.json run2.json [--tolerance 0.15] [--markdown]
 
 Prints, for every storage root, world size (or resharding pair), method and operation, the
 median wall time and CPU-s/GiB of each run and the relative difference; rows outside the
 tolerance are marked. Then the same for the *paired* ratio dmuon / torch DCP: within each
 repeat the two ran back to back, so a drift in machine load moves both; the median of the
-per-repeat ratios is what a comparison between the methods rests on.
+per-repeat ratios is what a comparison between the methods rests on. ``--markdown`` prints
+instead the two tables of ``docs/performance.md``, both runs side by side.
 """
 
 from __future__ import annotations
@@ -62,14 +63,63 @@ def _compare(a: dict, b: dict, tolerance: float, digits: int) -> tuple[int, int]
     return outside, len(a.keys() & b.keys())
 
 
+TABLE_ROWS = (("raw", "save", "raw write + fsync"), ("dmuon", "save", "**`dmuon.dcp.save`**"),
+              ("torch", "save", "torch `dcp.save`"), ("raw", "load", "raw read"),
+              ("dmuon", "load", "**`dmuon.dcp.load`**"), ("torch", "load", "torch `dcp.load`"))
+
+
+def _root_label(root: str) -> str:
+    return "tmpfs" if root.startswith("/dev/shm") else "disk"
+
+
+def markdown(run1: dict, run2: dict) -> str:
+    """Medians (wall s / CPU-s/GiB) per root and world, then paired ratios, run 1 | run 2."""
+    m1, m2 = medians(run1), medians(run2)
+    places = sorted({(k[0], k[1]) for k in m1 if "->" not in k[1]}, key=lambda p: (_root_label(p[0]), int(p[1])))
+    lines = ["| | " + " | ".join(f"{_root_label(r)}, {w} ranks: wall s / CPU-s/GiB" for r, w in places) + " |",
+             "|---" * (len(places) + 1) + "|"]
+    for method, op, label in TABLE_ROWS:
+        cells = []
+        for root, where in places:
+            key = (root, where, method, op)
+            if key not in m1 or key not in m2:
+                cells.append("")
+                continue
+            (w1, c1), (w2, c2) = m1[key], m2[key]
+            cell = f"{w1:.3f} / {c1:.2f} \\| {w2:.3f} / {c2:.2f}"
+            cells.append(f"**{cell}**" if method == "dmuon" else cell)
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    r1, r2 = paired_ratios(run1), paired_ratios(run2)
+    wheres = sorted({k[1] for k in r1}, key=lambda w: ("->" in w, w))
+    lines += ["", "| | " + " | ".join(w.replace("->", "→") + ("" if "->" in w else " ranks") for w in wheres) + " |",
+              "|---" * (len(wheres) + 1) + "|"]
+    for label in ("disk", "tmpfs"):
+        for op in ("save", "load"):
+            cells = []
+            for where in wheres:
+                key = next((k for k in r1 if _root_label(k[0]) == label and k[1] == where and k[3] == op), None)
+                if key is None or key not in r2:
+                    cells.append("")
+                    continue
+                (w1, c1), (w2, c2) = r1[key], r2[key]
+                cells.append(f"{w1:.2f} / {c1:.2f} \\| {w2:.2f} / {c2:.2f}")
+            if any(cells):
+                lines.append(f"| {op}, {label} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("first")
     parser.add_argument("second")
     parser.add_argument("--tolerance", type=float, default=0.15)
+    parser.add_argument("--markdown", action="store_true", help="print the tables of docs/performance.md")
     args = parser.parse_args()
     with open(args.first) as f1, open(args.second) as f2:
         run1, run2 = json.load(f1), json.load(f2)
+    if args.markdown:
+        print(markdown(run1, run2))
+        return 0
     header = f"{'root':<10}{'where':<7}{'method':<12}{'op':<6}{'wall 1':>8}{'wall 2':>8}{'diff':>7}"
     header += f"{'cpu 1':>8}{'cpu 2':>8}{'diff':>7}"
     print("medians of each method (wall s, CPU-s/GiB)")
