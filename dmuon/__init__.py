@@ -1,6 +1,7 @@
 """dmuon: Muon on FSDP2 with owner-dedicated parameters, and sharded DCP checkpoints."""
 
-from .dedicated import dedicate_params, wait_all_replicate_broadcasts
+from .dedicate import dedicate_params
+from .dedicated import wait_all_replicate_broadcasts
 from .optim import Muon
 from .state_dict import (
     StateDictError,

@@ -17,7 +17,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from .dedicated import DedicatedParam, DedicatedRegistry, from_global_owner, get_registry, raw_state_dict
+from .dedicated import DedicatedParam, DedicatedRegistry, from_global_owner, get_registry
+from .dedicated_state_dict import raw_state_dict
 from .optim.muon import (
     ADAMW_GROUP,
     MUON_GROUP,

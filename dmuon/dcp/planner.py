@@ -40,7 +40,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, ReadItem, SavePlan, W
 
 from .. import __version__
 from ..compat import set_element
-from ..dedicated import dedicated_value_problem, find_dedicated
+from ..dedicated_state_dict import dedicated_value_problem, find_dedicated
 from ..optim.muon import SCALAR_DTYPE, STATE_FIELDS, state_field_shape
 from ..topology import current_rank
 from .app_state import DedicatedEntry, DedicatedLayout

@@ -1,0 +1,149 @@
+"""``dedicate_params``: turn a model's selected parameters into dedicated ones.
+
+Checks that every rank selected the same parameters, assigns owners (``ownership.py``), builds
+a :class:`~dmuon.dedicated.DedicatedParam` per parameter, and installs the hooks that move it:
+forward/backward hooks on the modules that hold one, a post-accumulate-grad hook per
+parameter, and the ``state_dict`` hooks of ``dedicated_state_dict.py`` on the root module.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.utils._pytree import tree_flatten
+
+from . import fsdp_patch
+from .dedicated import DedicatedParam, DedicatedRegistry, get_registry, register
+from .dedicated_state_dict import install_state_dict_hooks, refuse_placeholder_save
+from .ownership import assign_owners
+from .topology import Topology, resolve_topology
+
+__all__ = ["dedicate_params"]
+
+
+def _tied_groups(model: nn.Module) -> dict[int, list[str]]:
+    groups: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(param), []).append(name)
+    return groups
+
+
+def _check_same_everywhere(topo: Topology, selected: list[tuple[str, tuple[int, ...]]]) -> None:
+    """Owner maps are computed locally; a rank with another model would silently disagree."""
+    digest = hashlib.sha256(repr(selected).encode()).digest()[:8]
+    mine = torch.tensor(list(digest), dtype=torch.int64, device=topo.device)
+    for group in (topo.shard_group, topo.replicate_group):
+        if group is None or dist.get_world_size(group) == 1:
+            continue
+        lo, hi = mine.clone(), mine.clone()
+        dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=group)
+        dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=group)
+        if not torch.equal(lo, hi):
+            raise RuntimeError(
+                f"dedicate_params: rank {dist.get_rank()} selected different parameters or shapes "
+                f"than its peers ({len(selected)} selected here); every rank must build the same "
+                "model and use the same predicate"
+            )
+
+
+def _install_module_hooks(module: nn.Module, recs: list[DedicatedParam], registry: DedicatedRegistry):
+    def unshard_all() -> None:
+        for rec in recs:
+            rec.unshard()
+
+    def pre_forward(_module, _args):
+        unshard_all()
+
+    def pre_backward(grad):
+        unshard_all()
+        return grad
+
+    def post_forward(_module, _args, output):
+        grad_enabled = torch.is_grad_enabled()
+        if registry.reshard_after_forward or not grad_enabled:
+            for rec in recs:
+                rec.reshard()
+        if grad_enabled and registry.reshard_after_forward:
+            for tensor in tree_flatten(output)[0]:
+                if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+                    tensor.register_hook(pre_backward)
+        return output
+
+    registry.handles.append(module.register_forward_pre_hook(pre_forward))
+    registry.handles.append(module.register_forward_hook(post_forward))
+
+
+def dedicate_params(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    predicate: Callable[[str, nn.Parameter], bool],
+    *,
+    replicate_mesh: DeviceMesh | None = None,
+    reshard_after_forward: bool = True,
+    param_dtype: torch.dtype | None = None,
+) -> dict[str, tuple[int, int]]:
+    """Give each parameter selected by ``predicate(fqn, param)`` one owner rank.
+
+    Must run before ``fully_shard``; FSDP2 then leaves these parameters alone. Returns the owner
+    map ``{fqn: (replicate_rank, shard_rank)}``, identical on every rank.
+    """
+    if get_registry(model) is not None:
+        raise RuntimeError("dedicate_params was already called on this model")
+    fsdp_patch.install()
+    topo = resolve_topology(mesh, replicate_mesh)
+    tied = _tied_groups(model)
+    selected: list[tuple[str, nn.Parameter]] = []
+    for fqn, param in model.named_parameters():
+        if not predicate(fqn, param):
+            continue
+        if isinstance(param, torch.distributed.tensor.DTensor):
+            raise RuntimeError(
+                f"dedicate_params: {fqn!r} is already a DTensor; call dedicate_params before fully_shard"
+            )
+        selected.append((fqn, param))
+    _check_same_everywhere(topo, [(fqn, tuple(p.shape)) for fqn, p in selected])
+    owners = assign_owners(
+        [(fqn, p.numel() * p.element_size()) for fqn, p in selected],
+        topo.replicate_size,
+        topo.shard_size,
+    )
+    registry = DedicatedRegistry(topo=topo, reshard_after_forward=reshard_after_forward)
+    for fqn, param in selected:
+        rec = DedicatedParam(
+            fqn,
+            tuple(tied[id(param)]),
+            param,
+            owners[fqn],
+            topo,
+            param_dtype or param.dtype,
+        )
+        setattr(param, fsdp_patch.DEDICATED_ATTR, rec)
+        # DCP's checkpointable protocol: a plain planner handed this parameter itself (say,
+        # dict(model.named_parameters())) asks it for its write items; refuse before writing.
+        param.__create_write_items__ = refuse_placeholder_save  # type: ignore[attr-defined]
+        registry.handles.append(param.register_post_accumulate_grad_hook(rec.reduce_grad))
+        registry.records[fqn] = rec
+    _sync_replicas_at_start(registry)
+
+    by_module: dict[nn.Module, list[DedicatedParam]] = {}
+    for module in model.modules():
+        for held in module._parameters.values():
+            found = getattr(held, fsdp_patch.DEDICATED_ATTR, None) if held is not None else None
+            if found is not None and found.fqn in registry.records:
+                by_module.setdefault(module, []).append(found)
+    for module, recs in by_module.items():
+        _install_module_hooks(module, recs, registry)
+    install_state_dict_hooks(model, registry)
+    register(model, registry)
+    return owners
+
+
+def _sync_replicas_at_start(registry: DedicatedRegistry) -> None:
+    """Every replica starts from the global owner's initial values, whatever each rank's seed."""
+    for rec in registry:
+        rec.publish_to_replicas(async_op=False)
