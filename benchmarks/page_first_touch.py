@@ -22,8 +22,13 @@ import argparse
 import mmap
 import os
 import resource
+import sys
 import tempfile
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from save_load import _raw_write  # noqa: E402  (the raw baseline's write + fsync)
 
 PAGE = mmap.PAGESIZE
 WRITE = 8 << 20  # bytes per write call
@@ -34,15 +39,12 @@ def _cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def buffered_write_cpu(path: str, data: memoryview) -> float:
-    """CPU seconds of one buffered write + fsync of ``data`` to a new file (then removed)."""
+def buffered_write_cpu(path: str, nbytes: int, block: bytes) -> float:
+    """CPU seconds of one buffered write + fsync of ``nbytes`` (``block`` repeated) to a new
+    file, written as ``save_load.py``'s raw baseline writes; the file is removed after."""
     start = _cpu_seconds()
     try:
-        with open(path, "wb") as f:
-            for offset in range(0, data.nbytes, WRITE):
-                f.write(data[offset : offset + WRITE])
-            f.flush()
-            os.fsync(f.fileno())
+        _raw_write(path, nbytes, block)
         return _cpu_seconds() - start
     finally:
         os.remove(path)
@@ -68,11 +70,11 @@ def main(argv=None) -> None:
     parser.add_argument("--idle", type=float, default=20, help="seconds asleep before the last writes (default 20)")
     args = parser.parse_args(argv)
 
-    data = memoryview(os.urandom(args.mib << 20))
+    block = os.urandom(WRITE)
     path = os.path.join(args.dir, f"dmuon-first-touch-{os.getpid()}.bin")
 
     def writes(n: int) -> str:
-        return ", ".join(f"{buffered_write_cpu(path, data):.3f}" for _ in range(n))
+        return ", ".join(f"{buffered_write_cpu(path, args.mib << 20, block):.3f}" for _ in range(n))
 
     print(f"buffered write + fsync of {args.mib} MiB to {args.dir}, CPU seconds each")
     print(f"  back to back:                 {writes(6)}")

@@ -178,13 +178,13 @@ def _set_cache(path: str, cache: str) -> None:
         buffer = bytearray(RAW_BLOCK)
         for folder, _, names in os.walk(path):
             for name in names:
-                with open(os.path.join(folder, name), "rb", buffering=0) as f:
-                    if cache == "warm":
-                        while f.readinto(buffer):
-                            pass
-                    else:
-                        os.fsync(f.fileno())
-                        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+                file = os.path.join(folder, name)
+                if cache == "warm":
+                    _raw_read(file, buffer)
+                    continue
+                with open(file, "rb", buffering=0) as f:
+                    os.fsync(f.fileno())
+                    os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
     dist.barrier()
 
 
