@@ -28,7 +28,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from save_load import _raw_write  # noqa: E402  (the raw baseline's write + fsync)
+from save_load import _raw_write  # the raw baseline's write + fsync
 
 PAGE = mmap.PAGESIZE
 WRITE = 8 << 20  # bytes per write call

@@ -580,8 +580,8 @@ def main(argv=None) -> None:
                 for a, b in args.reshard:
                     if a != source:
                         continue
-                    per_rank = run_ranks(reshard_load_worker, b, n_matrices, path, args.repeats, args.warmup, args.cache,
-                                         timeout=args.timeout)
+                    per_rank = run_ranks(reshard_load_worker, b, n_matrices, path, args.repeats, args.warmup,
+                                         args.cache, timeout=args.timeout)
                     samples = _merge(per_rank)
                     report["reshard"].append({"root": root, "from": a, "to": b, "samples": samples})
                     print_reshard(label, a, b, samples, gib)
