@@ -147,8 +147,8 @@ class CheckpointListing:
                 _read_exactly(stream, data_start + s_start, target, index.fqn)
                 self.bytes_read += s_stop - s_start
                 got = [of(target[offset : offset + block]) for offset in range(0, s_stop - s_start, block)]
-                k = (s_start - r_start) // block
-                if got != expected[k : k + len(got)]:
+                first_in_slice = (s_start - r_start) // block
+                if got != expected[first_in_slice : first_in_slice + len(got)]:
                     self._raise_mismatch(info, index.fqn)
         for k in sorted({first, last} - set(range(lo, hi + 1))):  # blocks the range only partly covers
             b_start, b_stop = k * block, min((k + 1) * block, data_len)
