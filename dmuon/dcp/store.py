@@ -34,6 +34,7 @@ from .format import METADATA
 
 __all__ = [
     "LOCAL_DIRECT_IO_OPTION",
+    "BorrowingStream",
     "RetryPolicy",
     "Store",
     "StoreFactory",
@@ -104,6 +105,25 @@ class Store(Protocol):
     def child(self, name: str) -> Store: ...
 
     def remove_tree(self) -> None: ...
+
+
+@runtime_checkable
+class BorrowingStream(Protocol):
+    """What ``open_write`` may return beyond ``write``: a stream that writes large buffers
+    straight from the caller's memory, with no copy (direct I/O from the tensor itself).
+
+    A writer that knows a buffer's address can lay out its file so that the buffer starts at a
+    position congruent to that address modulo :attr:`memory_alignment`; then
+    :meth:`write_borrowed` hands the aligned middle of the buffer to the device as it is.
+    """
+
+    memory_alignment: int  # a buffer whose address == file position (mod this) is written in place
+    borrow_min_bytes: int  # smaller buffers are copied as usual: not worth padding the file for
+
+    def write_borrowed(self, data, /) -> int:
+        """``write``, except that the stream may go on reading ``data`` after it returns: the
+        caller leaves those bytes unchanged until ``flush()`` (or closing) returns."""
+        ...
 
 
 def checked_name(name: str) -> str:

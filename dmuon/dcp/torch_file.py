@@ -36,6 +36,7 @@ import torch
 from ..compat import rebuild_tensor, storage_type_names
 
 __all__ = [
+    "Placement",
     "TorchFileWriter",
     "single_record_offset",
     "tensor_frame",
@@ -46,6 +47,12 @@ __all__ = [
 
 ARCHIVE = "archive"
 STORAGE_ALIGNMENT = 64
+Placement = tuple[int, int]
+"""(modulus, residue): a storage record whose bytes start at a payload position congruent to
+``residue`` modulo ``modulus``, padded as torch's writer pads to 64 bytes. A writer uses it to
+line a tensor's bytes in the file up with their address in memory, so that they can be written
+to the device from that memory (direct I/O). ``torch.load`` reads the record wherever it lies:
+it takes each record's start from its header."""
 SLICE = 8 << 20  # bytes handed to the stream per write: bounded, and big enough for fast I/O
 
 _LOCAL_HEADER = b"PK\x03\x04"
@@ -143,10 +150,17 @@ class TorchFileWriter:
         self.pos += _write_in_slices(self.out, data)
 
     def write_record(
-        self, name: str, data, *, align: bool = False, write_data: Callable[[memoryview], None] | None = None
+        self,
+        name: str,
+        data,
+        *,
+        align: bool = False,
+        place: Placement | None = None,
+        write_data: Callable[[memoryview], None] | None = None,
     ) -> None:
         """One record; ``align`` (storages) starts its bytes on a 64-byte boundary and leaves
         its CRC field 0; small records get a real CRC-32, so any zip reader reads them.
+        ``place`` (with ``align``) starts them at the position it asks for instead.
 
         ``write_data(view)``, if given, writes the record's bytes to the stream instead of this
         writer (a checksumming stream checksums them block by block).
@@ -159,7 +173,8 @@ class TorchFileWriter:
         extra = struct.pack("<HHQQ", 1, 16, size, size) if zip64 else b""
         if align:
             header_end = self.pos + _LOCAL_HEADER_SIZE + len(full_name) + len(extra) + 4
-            pad = -header_end % STORAGE_ALIGNMENT
+            modulus, residue = place or (STORAGE_ALIGNMENT, 0)
+            pad = (residue - header_end) % modulus
             extra += _PAD_EXTRA_ID + struct.pack("<H", pad) + b"Z" * pad
         stored = _SENTINEL if zip64 else size
         version = 45 if zip64 else 20
@@ -259,11 +274,11 @@ def write_postamble(writer: TorchFileWriter) -> None:
     writer.close()
 
 
-def tensor_frame(tensor: torch.Tensor) -> tuple[bytes, bytes]:
+def tensor_frame(tensor: torch.Tensor, place: Placement | None = None) -> tuple[bytes, bytes]:
     """The bytes ``torch.save`` puts before and after a contiguous CPU tensor's data.
 
-    They depend on the dtype and shape only (offsets in the zip are relative to the payload's
-    start), so a writer of many same-shaped tensors builds them once per shape.
+    They depend on the dtype, the shape and ``place`` only (offsets in the zip are relative to
+    the payload's start), so a writer of many same-shaped tensors builds them once per shape.
     """
     out = io.BytesIO()
     head_len = -1
@@ -274,7 +289,7 @@ def tensor_frame(tensor: torch.Tensor) -> tuple[bytes, bytes]:
 
     writer = TorchFileWriter(out)
     write_preamble(writer, _pickled_tensor(tensor.dtype, tuple(tensor.shape)))
-    writer.write_record("data/0", tensor_memory(tensor), align=True, write_data=skip_data)
+    writer.write_record("data/0", tensor_memory(tensor), align=True, place=place, write_data=skip_data)
     write_postamble(writer)
     frame = out.getvalue()
     return frame[:head_len], frame[head_len:]
@@ -286,17 +301,20 @@ def write_tensor_payload(
     *,
     write_data: Callable[[memoryview], None] | None = None,
     frames: dict[tuple, tuple[bytes, bytes]] | None = None,
+    place: Placement | None = None,
 ) -> None:
     """What ``torch.save(tensor, out)`` writes for a contiguous CPU tensor, minus zip CRCs.
 
     ``write_data(view)``, if given, writes the tensor's bytes instead of ``out.write`` (a
     checksumming stream checksums them block by block). ``frames``: a cache of
-    :func:`tensor_frame` by (dtype, shape) that the caller keeps for the tensors of one file.
+    :func:`tensor_frame` by (dtype, shape, place) that the caller keeps for the tensors of one
+    file. ``place``: where the tensor's bytes start, relative to the payload's start, instead
+    of the next 64-byte boundary.
     """
-    key = (tensor.dtype, tuple(tensor.shape))
+    key = (tensor.dtype, tuple(tensor.shape), place)
     frame = frames.get(key) if frames is not None else None
     if frame is None:
-        frame = tensor_frame(tensor)
+        frame = tensor_frame(tensor, place)
         if frames is not None:
             frames[key] = frame
     head, tail = frame

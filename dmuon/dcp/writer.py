@@ -28,8 +28,8 @@ from .commit import commit, files_of_committed_saves
 from .errors import CheckpointExistsError
 from .format import METADATA, data_file_name
 from .manifest import FileStats, ItemChecksums, Manifest, block_size_for
-from .store import Store, open_store, retrying
-from .torch_file import SLICE, write_tensor_payload
+from .store import BorrowingStream, Store, open_store, retrying
+from .torch_file import SLICE, Placement, write_tensor_payload
 
 __all__ = ["DMuonStorageWriter"]
 
@@ -39,7 +39,12 @@ _FILE_STATS = "__dmuon_file_stats__"
 
 
 class _ChecksummingStream:
-    """Forwards writes, counting bytes and checksumming them in segments (``cut()`` ends one)."""
+    """Forwards writes, counting bytes and checksumming them in segments (``cut()`` ends one).
+
+    Over a :class:`~.store.BorrowingStream` (direct I/O to a local disk), tensor bytes are
+    handed over without a copy: ``placement`` says where to put a tensor so that its bytes in
+    the file line up with its memory, and ``write_blocks`` lends them.
+    """
 
     def __init__(self, raw: BinaryIO, kind: str) -> None:
         self.raw = raw
@@ -48,6 +53,17 @@ class _ChecksummingStream:
         self._digest = self.kind.new()
         self._segment_start = 0
         self.checksums: list[int] = []  # of the non-empty segments cut so far
+        self._borrowing = raw if isinstance(raw, BorrowingStream) else None
+        self._lend = self._borrowing.write_borrowed if self._borrowing is not None else raw.write
+
+    def placement(self, tensor: torch.Tensor) -> Placement | None:
+        """Where, relative to the current position, the bytes of ``tensor`` should start so
+        the stream can write them from its memory; None where it cannot or it is not worth it."""
+        raw = self._borrowing
+        if raw is None or tensor.numel() * tensor.element_size() < raw.borrow_min_bytes:
+            return None
+        modulus = raw.memory_alignment
+        return modulus, (tensor.data_ptr() - self.pos) % modulus
 
     def write(self, data) -> int:
         view = memoryview(data).cast("B")
@@ -64,8 +80,8 @@ class _ChecksummingStream:
         of = self.kind.of
         for start in range(0, view.nbytes, step):
             piece = view[start : start + step]
+            self._lend(piece)  # the device may start on it while it is checksummed
             self.checksums += [of(piece[offset : offset + block]) for offset in range(0, piece.nbytes, block)]
-            self.raw.write(piece)
             self.pos += piece.nbytes
         self._segment_start = self.pos
 
@@ -100,7 +116,7 @@ def _write_item(stream: _ChecksummingStream, data, frames: dict) -> ItemChecksum
         stream.write_blocks(view, block)
         marks.append(stream.tell())
 
-    write_tensor_payload(stream, tensor, write_data=write_data, frames=frames)
+    write_tensor_payload(stream, tensor, write_data=write_data, frames=frames, place=stream.placement(tensor))
     stream.cut()
     end = stream.tell()
     return ItemChecksums(end - start, marks[0] - start, block, end - marks[-1], stream.checksums[first:])

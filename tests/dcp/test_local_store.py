@@ -5,11 +5,14 @@ import subprocess
 import sys
 import textwrap
 
+import numpy
 import pytest
 
 from dmuon.dcp.local_store import (
+    BORROW_MIN_BYTES,
     DIRECT_IO_ALIGN,
     DIRECT_IO_FILESYSTEMS,
+    MAX_BORROWED_BYTES,
     STAGING_BYTES,
     DirectFile,
     LocalStore,
@@ -66,6 +69,72 @@ def test_direct_file_sizes_at_the_edges(tmp_path, size):
     assert (tmp_path / "f").read_bytes() == data
 
 
+def _buffer_at(position: int, size: int, lined_up: bool) -> memoryview:
+    """``size`` random bytes whose address is congruent to ``position`` modulo the direct-I/O
+    alignment (or deliberately not)."""
+    backing = numpy.frombuffer(os.urandom(size + 2 * DIRECT_IO_ALIGN), dtype=numpy.uint8).copy()
+    start = (position - backing.ctypes.data) % DIRECT_IO_ALIGN
+    if not lined_up:
+        start += 64  # still 64-byte aligned, as tensors are, but off by 64 from the file
+    return memoryview(backing[start : start + size])
+
+
+# (bytes written with write() first, then a borrowed write of this size, lined up or not)
+BORROWED = [
+    (0, 2 * BORROW_MIN_BYTES, True),
+    (1, BORROW_MIN_BYTES + 3 * DIRECT_IO_ALIGN + 5, True),
+    (DIRECT_IO_ALIGN - 1, STAGING_BYTES + 7, True),
+    (STAGING_BYTES - 100, 2 * STAGING_BYTES, True),
+    (5, 2 * BORROW_MIN_BYTES, False),
+    (5, BORROW_MIN_BYTES // 2, True),
+]
+
+
+@pytest.mark.parametrize("flush_between", [False, True], ids=["no-flush", "flush"])
+def test_borrowed_writes_go_out_in_place_where_lined_up_and_land_byte_exact(tmp_path, flush_between):
+    f = _direct_file_or_skip(tmp_path / "f")
+    expected, in_place, lent = bytearray(), 0, []
+    try:
+        for before, size, lined_up in BORROWED:
+            copied = os.urandom(before)
+            f.write(copied)
+            expected += copied
+            borrowed = _buffer_at(len(expected), size, lined_up)
+            lent.append(borrowed)  # must stay unchanged until the flush
+            assert f.write_borrowed(borrowed) == size
+            if lined_up and size >= BORROW_MIN_BYTES:
+                to_boundary = -len(expected) % DIRECT_IO_ALIGN
+                in_place += (size - to_boundary) // DIRECT_IO_ALIGN * DIRECT_IO_ALIGN
+            expected += borrowed
+            if flush_between:
+                f.flush()
+                assert (tmp_path / "f").read_bytes() == expected
+        f.flush()
+        os.fsync(f.fileno())
+        assert f.in_place_bytes == in_place > 0
+    finally:
+        f.close()
+    assert (tmp_path / "f").read_bytes() == expected
+
+
+def test_borrowed_memory_in_flight_is_bounded(tmp_path):
+    """A caller's buffers are released as the device catches up, not all kept to the end."""
+    f = _direct_file_or_skip(tmp_path / "f")
+    piece = 4 * BORROW_MIN_BYTES
+    expected = bytearray()
+    try:
+        for _ in range(2 * MAX_BORROWED_BYTES // piece):
+            borrowed = _buffer_at(len(expected), piece, True)
+            f.write_borrowed(borrowed)
+            expected += borrowed
+            assert f._borrowed_bytes <= MAX_BORROWED_BYTES
+        f.flush()
+        assert f.in_place_bytes == len(expected) and f._borrowed_bytes == 0
+    finally:
+        f.close()
+    assert (tmp_path / "f").read_bytes() == expected
+
+
 def test_store_writes_streamed_files_direct_where_the_filesystem_allows(tmp_path):
     kind = filesystem_type(str(tmp_path))
     store = LocalStore(str(tmp_path / "ckpt"))
@@ -117,16 +186,19 @@ def test_filesystem_type_names_the_deepest_mount():
 _FILE_TOO_BIG = textwrap.dedent("""
     import errno, os, resource, signal, sys
     sys.path.insert(0, {repo!r})
+    import mmap
     from dmuon.dcp.local_store import LocalStore, STAGING_BYTES
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (3 * STAGING_BYTES, 3 * STAGING_BYTES))
+    resource.setrlimit(resource.RLIMIT_FSIZE, (3 * STAGING_BYTES + 512, 3 * STAGING_BYTES + 512))
     store = LocalStore({root!r}, direct_io=True)
     store.makedirs()
+    page_aligned = mmap.mmap(-1, STAGING_BYTES)  # lined up with the file: written in place
     try:
         with store.open_write("big") as f:
             for _ in range(8):
-                f.write(bytes(STAGING_BYTES))
+                f.{method}(page_aligned)
     except OSError as error:
+        assert (f.in_place_bytes > 0) == {borrowed}, f.in_place_bytes
         assert error.errno == errno.EFBIG, error
         assert "big" in str(error), error
         assert store.list() == {{}}, store.list()
@@ -134,10 +206,12 @@ _FILE_TOO_BIG = textwrap.dedent("""
 """)
 
 
-def test_a_failed_background_write_is_raised_and_the_file_removed(tmp_path):
+@pytest.mark.parametrize("method", ["write", "write_borrowed"])
+def test_a_failed_background_write_is_raised_and_the_file_removed(tmp_path, method):
     if filesystem_type(str(tmp_path)) not in DIRECT_IO_FILESYSTEMS:
         pytest.skip("no direct I/O here")
-    code = _FILE_TOO_BIG.format(repo=REPO, root=str(tmp_path / "ckpt"))
+    borrowed = int(method == "write_borrowed")
+    code = _FILE_TOO_BIG.format(repo=REPO, root=str(tmp_path / "ckpt"), method=method, borrowed=borrowed)
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "raised", done.stdout + done.stderr
