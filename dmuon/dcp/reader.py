@@ -21,6 +21,7 @@ from torch.futures import Future
 
 from .checkpoint import CheckpointListing, open_checkpoint
 from .errors import CheckpointCorruptError
+from .manifest import ItemChecksums
 from .store import checked_name, retrying
 from .torch_file import tensor_memory
 
@@ -76,6 +77,15 @@ class DMuonStorageReader(StorageReader):
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        # no autograd here: a DTensor's to_local() (what the planner resolves a shard with)
+        # otherwise goes through an autograd function for every item
+        with torch.no_grad():
+            self._read_plan(plan, planner)
+        future: Future = Future()
+        future.set_result(None)
+        return future
+
+    def _read_plan(self, plan: LoadPlan, planner: LoadPlanner) -> None:
         per_file: dict[str, dict[MetadataIndex, list]] = defaultdict(lambda: defaultdict(list))
         for req in plan.items:
             info = self.storage_data[req.storage_index]
@@ -90,9 +100,6 @@ class DMuonStorageReader(StorageReader):
                         self._deliver(planner, reqs, index, stream)
 
             retrying(store, f"reading {name}", read_file)
-        future: Future = Future()
-        future.set_result(None)
-        return future
 
     def _deliver(self, planner: LoadPlanner, reqs: list, index: MetadataIndex, stream: BinaryIO) -> None:
         listing = self._listing()
@@ -102,8 +109,9 @@ class DMuonStorageReader(StorageReader):
                 planner.load_bytes(req, io.BytesIO(data))
             return
         saved = None  # the whole item, read only when a request cannot be served directly
-        if listing.data_blocks(index) is not None:
-            listing.verify_frame(index, stream)
+        blocks = listing.data_blocks(index)
+        if blocks is not None:
+            listing.verify_frame(index, stream, blocks)
         for req in reqs:
             target = planner.resolve_tensor(req).detach()
             if tuple(target.size()) != tuple(req.lengths):
@@ -111,19 +119,21 @@ class DMuonStorageReader(StorageReader):
                     f"{req.storage_index.fqn}: stored region has shape {tuple(req.lengths)}, "
                     f"expected {tuple(target.size())}"
                 )
-            if not self._read_rows(listing, index, stream, req, target):
+            if blocks is None or not self._read_rows(listing, index, blocks, stream, req, target):
                 if saved is None:
                     saved = listing.read_tensor(index, stream)
                 target.copy_(narrow_to(saved, req.storage_offsets, req.lengths))
             planner.commit_tensor(req, target)
 
     @staticmethod
-    def _read_rows(listing: CheckpointListing, index: MetadataIndex, stream: BinaryIO, req, target) -> bool:
+    def _read_rows(
+        listing: CheckpointListing, index: MetadataIndex, blocks: ItemChecksums, stream: BinaryIO, req, target
+    ) -> bool:
         """Serve a request whose region is a range of whole rows of a stored chunk by reading
         just those bytes (verified block by block) into the target: one copy, from storage to
         the tensor, where the target is a contiguous CPU tensor of the stored dtype."""
         md = listing.metadata.state_dict_metadata.get(index.fqn)
-        if not isinstance(md, TensorStorageMetadata) or listing.data_blocks(index) is None:
+        if not isinstance(md, TensorStorageMetadata):
             return False
         offsets = tuple(index.offset or ())
         chunk = next((c for c in md.chunks if tuple(c.offsets) == offsets), None)
@@ -133,14 +143,13 @@ class DMuonStorageReader(StorageReader):
         if len(sizes) > 1 and (any(starts[1:]) or lengths[1:] != sizes[1:]):
             return False  # not whole rows: not one byte range
         dtype = md.properties.dtype
-        element = torch.empty((), dtype=dtype).element_size()
-        row_bytes = math.prod(sizes[1:]) * element
+        row_bytes = math.prod(sizes[1:]) * dtype.itemsize
         start = starts[0] * row_bytes if sizes else 0
         if target.is_contiguous() and target.dtype == dtype and target.device.type == "cpu":
-            listing.read_data_into(index, stream, start, tensor_memory(target))
+            listing.read_data_into(index, stream, start, tensor_memory(target), blocks)
         else:
             staging = torch.empty(lengths, dtype=dtype)
-            listing.read_data_into(index, stream, start, tensor_memory(staging))
+            listing.read_data_into(index, stream, start, tensor_memory(staging), blocks)
             target.copy_(staging)
         return True
 

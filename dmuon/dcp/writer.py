@@ -198,9 +198,10 @@ class DMuonStorageWriter(StorageWriter):
         if plan.items:
             name = info["file"]
             store = self._store()
-            results = retrying(
-                store, f"writing {name}", lambda: self._write_file(name, plan.items, planner), writing=True
-            )
+            with torch.no_grad():  # (as in the reader: resolving a DTensor shard needs no autograd)
+                results = retrying(
+                    store, f"writing {name}", lambda: self._write_file(name, plan.items, planner), writing=True
+                )
         future: Future = Future()
         future.set_result(results)
         return future
