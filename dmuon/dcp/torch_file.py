@@ -37,6 +37,7 @@ from ..compat import rebuild_tensor, storage_type_names
 
 __all__ = [
     "Placement",
+    "TensorFrames",
     "TorchFileWriter",
     "single_record_offset",
     "tensor_frame",
@@ -278,8 +279,24 @@ def tensor_frame(tensor: torch.Tensor, place: Placement | None = None) -> tuple[
     """The bytes ``torch.save`` puts before and after a contiguous CPU tensor's data.
 
     They depend on the dtype, the shape and ``place`` only (offsets in the zip are relative to
-    the payload's start), so a writer of many same-shaped tensors builds them once per shape.
+    the payload's start), so a writer of many tensors builds them once per dtype, shape and
+    placement (:class:`TensorFrames`).
     """
+    return _frame_after(_preamble(tensor), tensor, place)
+
+
+_Preamble = tuple[bytes, list[bytes]]  # the records before a tensor's own, and their central entries
+
+
+def _preamble(tensor: torch.Tensor) -> _Preamble:
+    out = io.BytesIO()
+    writer = TorchFileWriter(out)
+    write_preamble(writer, _pickled_tensor(tensor.dtype, tuple(tensor.shape)))
+    return out.getvalue(), writer._central
+
+
+def _frame_after(preamble: _Preamble, tensor: torch.Tensor, place: Placement | None) -> tuple[bytes, bytes]:
+    records, central = preamble
     out = io.BytesIO()
     head_len = -1
 
@@ -288,11 +305,31 @@ def tensor_frame(tensor: torch.Tensor, place: Placement | None = None) -> tuple[
         head_len = out.tell()
 
     writer = TorchFileWriter(out)
-    write_preamble(writer, _pickled_tensor(tensor.dtype, tuple(tensor.shape)))
+    writer.pos, writer._central = len(records), list(central)  # as if it had just written them
     writer.write_record("data/0", tensor_memory(tensor), align=True, place=place, write_data=skip_data)
     write_postamble(writer)
-    frame = out.getvalue()
-    return frame[:head_len], frame[head_len:]
+    rest = out.getvalue()
+    return records + rest[:head_len], rest[head_len:]
+
+
+class TensorFrames:
+    """The framing (:func:`tensor_frame`) of the tensors of one file: built once per dtype,
+    shape and placement, and the records before each tensor's own (its pickle above all) once
+    per dtype and shape. A writer keeps one per data file and drops it with the file."""
+
+    def __init__(self) -> None:
+        self._preambles: dict[tuple, _Preamble] = {}
+        self._frames: dict[tuple, tuple[bytes, bytes]] = {}
+
+    def frame(self, tensor: torch.Tensor, place: Placement | None = None) -> tuple[bytes, bytes]:
+        shape_key = (tensor.dtype, tuple(tensor.shape))
+        frame = self._frames.get((shape_key, place))
+        if frame is None:
+            preamble = self._preambles.get(shape_key)
+            if preamble is None:
+                preamble = self._preambles[shape_key] = _preamble(tensor)
+            frame = self._frames[(shape_key, place)] = _frame_after(preamble, tensor, place)
+        return frame
 
 
 def write_tensor_payload(
@@ -300,23 +337,17 @@ def write_tensor_payload(
     tensor: torch.Tensor,
     *,
     write_data: Callable[[memoryview], None] | None = None,
-    frames: dict[tuple, tuple[bytes, bytes]] | None = None,
+    frames: TensorFrames | None = None,
     place: Placement | None = None,
 ) -> None:
     """What ``torch.save(tensor, out)`` writes for a contiguous CPU tensor, minus zip CRCs.
 
     ``write_data(view)``, if given, writes the tensor's bytes instead of ``out.write`` (a
-    checksumming stream checksums them block by block). ``frames``: a cache of
-    :func:`tensor_frame` by (dtype, shape, place) that the caller keeps for the tensors of one
-    file. ``place``: where the tensor's bytes start, relative to the payload's start, instead
-    of the next 64-byte boundary.
+    checksumming stream checksums them block by block). ``frames``: the framing already built
+    for the tensors of this file. ``place``: where the tensor's bytes start, relative to the
+    payload's start, instead of the next 64-byte boundary.
     """
-    key = (tensor.dtype, tuple(tensor.shape), place)
-    frame = frames.get(key) if frames is not None else None
-    if frame is None:
-        frame = tensor_frame(tensor, place)
-        if frames is not None:
-            frames[key] = frame
+    frame = frames.frame(tensor, place) if frames is not None else tensor_frame(tensor, place)
     head, tail = frame
     out.write(head)
     view = tensor_memory(tensor)

@@ -29,7 +29,7 @@ from .errors import CheckpointExistsError
 from .format import METADATA, data_file_name
 from .manifest import FileStats, ItemChecksums, Manifest, block_size_for
 from .store import BorrowingStream, Store, open_store, retrying
-from .torch_file import SLICE, Placement, write_tensor_payload
+from .torch_file import SLICE, Placement, TensorFrames, write_tensor_payload
 
 __all__ = ["DMuonStorageWriter"]
 
@@ -98,7 +98,7 @@ class _ChecksummingStream:
         return self.pos
 
 
-def _write_item(stream: _ChecksummingStream, data, frames: dict) -> ItemChecksums:
+def _write_item(stream: _ChecksummingStream, data, frames: TensorFrames) -> ItemChecksums:
     """One item at the stream's position; its segments' checksums, as the manifest keeps them.
     ``frames``: the zip framing of tensors already written to this file, by dtype and shape."""
     start, first = stream.tell(), len(stream.checksums)
@@ -210,7 +210,7 @@ class DMuonStorageWriter(StorageWriter):
         """One rank's data file, start to end (so a failed attempt can simply be redone)."""
         results = []
         checksums: dict[int, ItemChecksums] = {}
-        frames: dict = {}
+        frames = TensorFrames()
         # bytes first (small), then tensors in plan order
         items = sorted(items, key=lambda item: item.type != WriteItemType.BYTE_IO)
         with self._store().open_write(name) as raw:

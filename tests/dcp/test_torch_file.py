@@ -56,13 +56,27 @@ def test_a_multi_tensor_file_with_shared_storages_loads():
     assert loaded["a"].untyped_storage().data_ptr() == loaded["tied"].untyped_storage().data_ptr()
 
 
-def test_cached_frames_write_the_same_bytes_as_fresh_ones():
-    frames: dict = {}
+def _in_one_go(tensor: torch.Tensor, place) -> bytes:
+    """The payload written by one TorchFileWriter, record after record (no cached framing)."""
+    out = io.BytesIO()
+    writer = torch_file.TorchFileWriter(out)
+    torch_file.write_preamble(writer, torch_file._pickled_tensor(tensor.dtype, tuple(tensor.shape)))
+    writer.write_record("data/0", torch_file.tensor_memory(tensor), align=True, place=place)
+    torch_file.write_postamble(writer)
+    return out.getvalue()
+
+
+@pytest.mark.parametrize("place", [None, (4096, 0), (4096, 1234), (4096, 4095), (512, 77)])
+def test_cached_frames_write_the_same_bytes_as_one_writer_and_place_the_data(place):
+    frames = torch_file.TensorFrames()
     tensors = [torch.randn(3, 5), torch.randn(3, 5), torch.randn(5, 3), torch.randn(3, 5).to(torch.bfloat16)]
     for tensor in tensors:
-        cached, fresh = io.BytesIO(), io.BytesIO()
-        torch_file.write_tensor_payload(cached, tensor, frames=frames)
-        torch_file.write_tensor_payload(fresh, tensor)
-        assert cached.getvalue() == fresh.getvalue()
-        assert torch.equal(torch.load(io.BytesIO(cached.getvalue()), weights_only=True), tensor)
-    assert len(frames) == 3  # one per (dtype, shape)
+        cached = io.BytesIO()
+        torch_file.write_tensor_payload(cached, tensor, frames=frames, place=place)
+        payload = cached.getvalue()
+        assert payload == _in_one_go(tensor, place)
+        start = torch_file.single_record_offset(payload, tensor.numel() * tensor.element_size())
+        modulus, residue = place or (torch_file.STORAGE_ALIGNMENT, 0)
+        assert start is not None and start % modulus == residue
+        assert torch.equal(torch.load(io.BytesIO(payload), weights_only=True), tensor)
+    assert len(frames._frames) == 3 and len(frames._preambles) == 3  # one per (dtype, shape)
