@@ -100,7 +100,7 @@ class _ChecksummingStream:
 
 def _write_item(stream: _ChecksummingStream, data, frames: TensorFrames) -> ItemChecksums:
     """One item at the stream's position; its segments' checksums, as the manifest keeps them.
-    ``frames``: the zip framing of tensors already written to this file, by dtype and shape."""
+    ``frames``: the zip framing already built for the tensors of this file."""
     start, first = stream.tell(), len(stream.checksums)
     if isinstance(data, io.BytesIO):
         stream.write(data.getbuffer())
