@@ -106,6 +106,8 @@ class DMuonStorageReader(StorageReader):
                             for index, reqs in ordered[first : first + _RESOLVE_BATCH]
                         ]
                         for delivery in batch:
+                            delivery.verify_frame(listing, stream)
+                        for delivery in batch:
                             delivery.read(listing, stream, planner)
 
             retrying(listing.store, f"reading {name}", read_file)
@@ -134,7 +136,7 @@ class _Delivery:
         self.index, self.reqs = index, reqs
         self.blocks: ItemChecksums | None = None
         self.dtype: torch.dtype | None = None
-        self.targets: list[tuple[torch.Tensor, int | None]] = []
+        self.targets: list[tuple[torch.Tensor, int | None, memoryview | None]] = []
         if reqs[0].type == LoadItemType.BYTE_IO:
             return
         md = listing.metadata.state_dict_metadata.get(index.fqn)
@@ -149,7 +151,12 @@ class _Delivery:
                     f"expected {tuple(target.size())}"
                 )
             start = _row_range_start(md, index, req) if isinstance(md, TensorStorageMetadata) else None
-            self.targets.append((target, start))
+            in_place = target.is_contiguous() and target.device.type == "cpu" and target.dtype == self.dtype
+            self.targets.append((target, start, tensor_memory(target) if in_place else None))
+
+    def verify_frame(self, listing: CheckpointListing, stream: BinaryIO) -> None:
+        if self.blocks is not None:
+            listing.verify_frame(self.index, stream, self.blocks)
 
     def read(self, listing: CheckpointListing, stream: BinaryIO, planner: LoadPlanner) -> None:
         index, blocks = self.index, self.blocks
@@ -159,16 +166,13 @@ class _Delivery:
                 planner.load_bytes(req, io.BytesIO(data))
             return
         saved = None  # the whole item, read only when a request cannot be served directly
-        if blocks is not None:
-            listing.verify_frame(index, stream, blocks)
-        for req, (target, start) in zip(self.reqs, self.targets):
+        for req, (target, start, view) in zip(self.reqs, self.targets):
             if start is None or blocks is None:
                 if saved is None:
                     saved = listing.read_tensor(index, stream)
                 target.copy_(narrow_to(saved, req.storage_offsets, req.lengths))
-            elif target.is_contiguous() and target.device.type == "cpu" and target.dtype == self.dtype:
-                # one copy, from storage to the tensor, verified block by block
-                listing.read_data_into(index, stream, start, tensor_memory(target), blocks)
+            elif view is not None:  # one copy, from storage to the tensor, verified block by block
+                listing.read_data_into(index, stream, start, view, blocks)
             else:
                 staging = torch.empty(tuple(req.lengths), dtype=self.dtype)
                 listing.read_data_into(index, stream, start, tensor_memory(staging), blocks)
