@@ -276,28 +276,40 @@ def _local_file_descriptor(stream: BinaryIO) -> int | None:
 
 def _check_storage_ranges(files: dict[str, int], metadata: Metadata, manifest: Manifest | None, where: str):
     """Every referenced file exists, is named safely, and holds the referenced byte ranges."""
+    checked: dict[str, tuple[int, FileStats | None]] = {}  # per data file: its size and manifest entry
     for index, info in metadata.storage_data.items():
         if not isinstance(info, StorageInfo):
             raise CheckpointCorruptError(f"{where}: storage entry for {index.fqn} is not a file range")
-        name = checked_name(info.relative_path)
-        size = files.get(name)
-        if size is None:
-            raise CheckpointCorruptError(f"{where}: data file {name} (holding {index.fqn}) is missing")
+        name = info.relative_path
+        if name not in checked:
+            checked[name] = _checked_file(files, manifest, checked_name(name), index.fqn, where)
+        size, stats = checked[name]
         if info.offset < 0 or info.length < 0 or info.offset + info.length > size:
             raise CheckpointCorruptError(
                 f"{where}: {index.fqn} claims bytes {info.offset}..{info.offset + info.length} of {name}, "
                 f"which has {size} bytes"
             )
-        if manifest is not None:
-            stats = manifest.files.get(name)
-            if stats is None:
-                raise CheckpointCorruptError(f"{where}: data file {name} is not in the checksum manifest")
-            if stats.size != size:
-                raise CheckpointCorruptError(
-                    f"{where}: data file {name} has {size} bytes, the manifest says {stats.size} (truncated?)"
-                )
-            if stats.item_length(info.offset) != info.length:
-                raise CheckpointCorruptError(f"{where}: {index.fqn} in {name} does not match the manifest")
+        if stats is not None and stats.item_length(info.offset) != info.length:
+            raise CheckpointCorruptError(f"{where}: {index.fqn} in {name} does not match the manifest")
+
+
+def _checked_file(
+    files: dict[str, int], manifest: Manifest | None, name: str, fqn: str, where: str
+) -> tuple[int, FileStats | None]:
+    """A data file's size, and its manifest entry: the file must exist and match the manifest."""
+    size = files.get(name)
+    if size is None:
+        raise CheckpointCorruptError(f"{where}: data file {name} (holding {fqn}) is missing")
+    if manifest is None:
+        return size, None
+    stats = manifest.files.get(name)
+    if stats is None:
+        raise CheckpointCorruptError(f"{where}: data file {name} is not in the checksum manifest")
+    if stats.size != size:
+        raise CheckpointCorruptError(
+            f"{where}: data file {name} has {size} bytes, the manifest says {stats.size} (truncated?)"
+        )
+    return size, stats
 
 
 def open_checkpoint(
