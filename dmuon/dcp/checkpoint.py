@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from ..compat import StorageInfo
-from .checksums import CHECKSUMS, checksum_of
+from .checksums import CHECKSUMS, HOT_SLICE, checksum_of
 from .errors import CheckpointCorruptError, CheckpointIncompleteError, CheckpointNotFoundError
 from .format import METADATA, RESERVED_KEY, is_manifest_name, rank_of_data_file
 from .manifest import V1_CHECKSUM, FileStats, ItemChecksums, Manifest, decode_manifest
@@ -40,9 +40,6 @@ __all__ = ["CheckpointListing", "inspect", "open_checkpoint", "verify"]
 
 log = logging.getLogger(__name__)
 _VERIFY_BLOCK = 8 << 20
-# A load reads this much into the tensor, then checksums it while it is still in the CPU's
-# cache: checksumming a whole 4 MiB item after reading it goes back to memory for every byte.
-_HOT_SLICE = 256 << 10
 
 
 @dataclasses.dataclass
@@ -144,7 +141,7 @@ class CheckpointListing:
         if lo <= hi:  # whole blocks: read straight into ``out`` a slice at a time, each checksummed
             r_start, r_stop = lo * block, min((hi + 1) * block, data_len)
             expected = item.checksums[first_checksum + lo : first_checksum + hi + 1]
-            step = max(_HOT_SLICE // block, 1) * block
+            step = max(HOT_SLICE // block, 1) * block
             for s_start in range(r_start, r_stop, step):
                 s_stop = min(s_start + step, r_stop)
                 target = out[s_start - start : s_stop - start]

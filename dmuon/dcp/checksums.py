@@ -20,7 +20,13 @@ from typing import Protocol
 import crc32c as _crc32c
 import xxhash
 
-__all__ = ["CHECKSUMS", "WRITE_CHECKSUM", "ChecksumKind", "Digest", "checksum_of"]
+__all__ = ["CHECKSUMS", "HOT_SLICE", "WRITE_CHECKSUM", "ChecksumKind", "Digest", "checksum_of"]
+
+# Bytes that a save or a load copies (into the page cache, into a tensor) and then checksums
+# right away, while they are still in the CPU's L2 cache: checksumming megabytes after copying
+# them goes back to memory for every byte. 256 KiB measured best for reads and buffered writes
+# (docs/performance.md).
+HOT_SLICE = 256 << 10
 
 
 class Digest(Protocol):

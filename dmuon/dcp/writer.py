@@ -23,7 +23,7 @@ from torch.futures import Future
 
 from ..compat import CURRENT_DCP_VERSION, StorageInfo
 from ..topology import current_rank
-from .checksums import CHECKSUMS, WRITE_CHECKSUM, checksum_of
+from .checksums import CHECKSUMS, HOT_SLICE, WRITE_CHECKSUM, checksum_of
 from .commit import commit, files_of_committed_saves
 from .errors import CheckpointExistsError
 from .format import METADATA, data_file_name
@@ -73,14 +73,16 @@ class _ChecksummingStream:
         return view.nbytes
 
     def write_blocks(self, view: memoryview, block: int) -> None:
-        """Write ``view`` in large slices, with one segment (checksum) per ``block`` bytes of
-        it: the checksum granularity a partial read needs, at the write size disks like."""
+        """Write ``view`` with one segment (checksum) per ``block`` bytes of it: the checksum
+        granularity a partial read needs. A stream that copies (page cache, upload buffers)
+        gets slices of :data:`HOT_SLICE`, each checksummed right after its copy, from the CPU
+        cache; a borrowing one gets large slices it can write in place."""
         self.cut()
-        step = max(SLICE // block, 1) * block
+        step = max((SLICE if self._borrowing is not None else HOT_SLICE) // block, 1) * block
         of = self.kind.of
         for start in range(0, view.nbytes, step):
             piece = view[start : start + step]
-            self._lend(piece)  # the device may start on it while it is checksummed
+            self._lend(piece)  # (a device may start on it while it is checksummed)
             self.checksums += [of(piece[offset : offset + block]) for offset in range(0, piece.nbytes, block)]
             self.pos += piece.nbytes
         self._segment_start = self.pos
