@@ -106,8 +106,6 @@ class DMuonStorageReader(StorageReader):
                             for index, reqs in ordered[first : first + _RESOLVE_BATCH]
                         ]
                         for delivery in batch:
-                            delivery.verify_frame(listing, stream)
-                        for delivery in batch:
                             delivery.read(listing, stream, planner)
 
             retrying(listing.store, f"reading {name}", read_file)
@@ -154,10 +152,6 @@ class _Delivery:
             in_place = target.is_contiguous() and target.device.type == "cpu" and target.dtype == self.dtype
             self.targets.append((target, start, tensor_memory(target) if in_place else None))
 
-    def verify_frame(self, listing: CheckpointListing, stream: BinaryIO) -> None:
-        if self.blocks is not None:
-            listing.verify_frame(self.index, stream, self.blocks)
-
     def read(self, listing: CheckpointListing, stream: BinaryIO, planner: LoadPlanner) -> None:
         index, blocks = self.index, self.blocks
         if not self.targets:  # an object
@@ -166,6 +160,8 @@ class _Delivery:
                 planner.load_bytes(req, io.BytesIO(data))
             return
         saved = None  # the whole item, read only when a request cannot be served directly
+        if blocks is not None:  # (here, not for the whole batch first: streams read ahead in file order)
+            listing.verify_frame(index, stream, blocks)
         for req, (target, start, view) in zip(self.reqs, self.targets):
             if start is None or blocks is None:
                 if saved is None:
