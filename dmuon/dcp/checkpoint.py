@@ -138,19 +138,13 @@ class CheckpointListing:
         first, last = start // block, (stop - 1) // block
         lo = first if whole(first) else first + 1
         hi = last if whole(last) else last - 1
-        if lo <= hi:  # whole blocks: read straight into ``out`` a slice at a time, each checksummed
+        if lo <= hi:  # whole blocks: straight into ``out``
             r_start, r_stop = lo * block, min((hi + 1) * block, data_len)
             expected = item.checksums[first_checksum + lo : first_checksum + hi + 1]
-            step = max(HOT_SLICE // block, 1) * block
-            for s_start in range(r_start, r_stop, step):
-                s_stop = min(s_start + step, r_stop)
-                target = out[s_start - start : s_stop - start]
-                _read_exactly(stream, data_start + s_start, target, index.fqn)
-                self.bytes_read += s_stop - s_start
-                got = [of(target[offset : offset + block]) for offset in range(0, s_stop - s_start, block)]
-                first_in_slice = (s_start - r_start) // block
-                if got != expected[first_in_slice : first_in_slice + len(got)]:
-                    self._raise_mismatch(info, index.fqn)
+            whole_blocks = out[r_start - start : r_stop - start]
+            if not _read_checked(stream, data_start + r_start, whole_blocks, block, of, expected, index.fqn):
+                self._raise_mismatch(info, index.fqn)
+            self.bytes_read += r_stop - r_start
         for k in sorted({first, last} - set(range(lo, hi + 1))):  # blocks the range only partly covers
             b_start, b_stop = k * block, min((k + 1) * block, data_len)
             buffer = bytearray(b_stop - b_start)
@@ -247,6 +241,28 @@ def _verify_stream(
         where = f" in the item(s) at byte {', '.join(map(str, bad_offsets[:5]))}" if bad_offsets else ""
         return f"checksum mismatch (corrupted){where}"
     return None
+
+
+def _read_checked(
+    stream: BinaryIO, offset: int, out: memoryview, block: int, of: Callable[..., int], expected: list[int], fqn: str
+) -> bool:
+    """Fill ``out`` from ``offset`` on, :data:`HOT_SLICE` at a time, and compare the checksums
+    of each slice's ``block``-sized pieces with ``expected`` as soon as the slice lands, while
+    it is in the CPU cache; False at the first mismatch (the rest is not read)."""
+    fd = _local_file_descriptor(stream)
+    step = max(HOT_SLICE // block, 1) * block
+    in_slice = range(0, step, block)
+    checked = 0  # blocks compared so far
+    for at in range(0, out.nbytes, step):
+        target = out[at : at + step]
+        if fd is None or os.preadv(fd, [target], offset + at) != target.nbytes:
+            _read_exactly(stream, offset + at, target, fqn)
+        blocks = in_slice if target.nbytes == step else range(0, target.nbytes, block)
+        got = [of(target[start : start + block]) for start in blocks]
+        if got != expected[checked : checked + len(got)]:
+            return False
+        checked += len(got)
+    return True
 
 
 def _read_exactly(stream: BinaryIO, offset: int, out: memoryview, fqn: str) -> None:
