@@ -11,7 +11,11 @@ A dmuon checkpoint is a standard DCP checkpoint, one directory (or object-store 
     every dedicated tensor, tied aliases).
 ``__<rank>_<save id>.distcp``
     one data file per rank that had something to write: the items of its write plan end to
-    end, each a ``torch.save`` payload (tensors) or raw bytes (other objects).
+    end, each a ``torch.save`` payload (tensors) or raw bytes (other objects). On a local disk
+    written with direct I/O, a tensor of 1 MiB or more has zip padding before its bytes that
+    puts them at a file offset congruent to their address in the writer's memory (modulo
+    4096), so they were written from that memory; readers take every record's start from its
+    header and need not know.
 ``.dmuon-manifest-<save id>.json``
     the size and checksum of every data file item (the items tile each file) and of the
     ``.metadata`` bytes, itself checksummed; schema in ``manifest.py``.

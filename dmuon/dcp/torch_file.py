@@ -2,12 +2,13 @@
 
 A ``torch.save`` file is an uncompressed zip archive: ``archive/data.pkl`` (the pickled object,
 whose tensors refer to their storages by key), one record ``archive/data/<key>`` per storage
-(raw bytes, aligned to 64 bytes in the file), and small records (``byteorder``, ``version``...).
+(raw bytes, aligned to 64 bytes in the file, or placed where the writer asks: see
+:data:`Placement`), and small records (``byteorder``, ``version``...).
 ``torch.load(weights_only=True)`` reads what :class:`TorchFileWriter` writes.
 
 Why not ``torch.save``: it computes a zip CRC-32 of every record, which ``torch.load`` never
-checks and which costs as much CPU as writing the bytes (dmuon checksums every item with
-CRC-32C in its manifest instead); turning it off is a process-wide switch
+checks and which costs as much CPU as writing the bytes (dmuon checksums every item in its
+manifest instead); turning it off is a process-wide switch
 (``torch.serialization.set_crc32_options``) that would race with the user's own saves. Here the
 CRC fields are left 0, as ``torch.save`` does with that switch off, and each storage's bytes go
 from the tensor's memory to the output stream with no intermediate copy, in slices, so the
