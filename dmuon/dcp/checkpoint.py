@@ -90,37 +90,36 @@ class CheckpointListing:
         item = self.manifest.files[info.relative_path].items.get(info.offset)
         return item if item is not None and item.block > 0 else None
 
-    def verify_frame(self, index: MetadataIndex, stream: BinaryIO, item: ItemChecksums | None = None) -> None:
+    def verify_frame(self, index: MetadataIndex, stream: BinaryIO, item: ItemChecksums) -> None:
         """Read and verify a tensor item's bytes around its data (the zip headers before it,
         the central directory after it): a flipped byte anywhere in an item a load touches
         is reported, even where the load itself would not use it. A few hundred bytes.
-        ``item``: what :meth:`data_blocks` says of it, if the caller has it already."""
+        ``item``: the item's block layout (:meth:`data_blocks`)."""
         info = self.metadata.storage_data[index]
-        item = item or self.data_blocks(index)
-        assert item is not None and self.manifest is not None
+        assert self.manifest is not None
+        fd = _local_file_descriptor(stream)
         parts = [(0, item.head, item.checksums[0])] if item.head else []
         if item.tail:
             parts.append((item.length - item.tail, item.tail, item.checksums[-1]))
         for start, length, expected in parts:
             buffer = bytearray(length)
-            _read_exactly(stream, info.offset + start, memoryview(buffer), index.fqn)
+            _read_exactly(stream, fd, info.offset + start, memoryview(buffer), index.fqn)
             self.bytes_read += length
             if checksum_of(self.manifest.checksum, buffer) != expected:
                 self._raise_mismatch(info, index.fqn)
 
     def read_data_into(
-        self, index: MetadataIndex, stream: BinaryIO, start: int, out: memoryview, item: ItemChecksums | None = None
+        self, index: MetadataIndex, stream: BinaryIO, start: int, out: memoryview, item: ItemChecksums
     ) -> None:
         """Bytes ``[start, start + len(out))`` of a tensor item's data, straight into ``out``.
 
         Reads only the checksum blocks the range touches and verifies each of them: whole
         blocks land in ``out`` directly, the partial ones at either end go through a small
-        buffer. The item must have a block layout (:meth:`data_blocks`, which ``item`` is if
-        the caller has it already).
+        buffer. ``item``: the item's block layout (:meth:`data_blocks`).
         """
         info = self.metadata.storage_data[index]
-        item = item or self.data_blocks(index)
-        assert item is not None and self.manifest is not None
+        assert self.manifest is not None
+        fd = _local_file_descriptor(stream)
         of = CHECKSUMS[self.manifest.checksum].of
         data_start = info.offset + item.head
         data_len = item.length - item.head - item.tail
@@ -142,13 +141,13 @@ class CheckpointListing:
             r_start, r_stop = lo * block, min((hi + 1) * block, data_len)
             expected = item.checksums[first_checksum + lo : first_checksum + hi + 1]
             whole_blocks = out[r_start - start : r_stop - start]
-            if not _read_checked(stream, data_start + r_start, whole_blocks, block, of, expected, index.fqn):
+            if not _read_checked(stream, fd, data_start + r_start, whole_blocks, block, of, expected, index.fqn):
                 self._raise_mismatch(info, index.fqn)
             self.bytes_read += r_stop - r_start
         for k in sorted({first, last} - set(range(lo, hi + 1))):  # blocks the range only partly covers
             b_start, b_stop = k * block, min((k + 1) * block, data_len)
             buffer = bytearray(b_stop - b_start)
-            _read_exactly(stream, data_start + b_start, memoryview(buffer), index.fqn)
+            _read_exactly(stream, fd, data_start + b_start, memoryview(buffer), index.fqn)
             self.bytes_read += b_stop - b_start
             if of(buffer) != item.checksums[first_checksum + k]:
                 self._raise_mismatch(info, index.fqn)
@@ -244,19 +243,24 @@ def _verify_stream(
 
 
 def _read_checked(
-    stream: BinaryIO, offset: int, out: memoryview, block: int, of: Callable[..., int], expected: list[int], fqn: str
+    stream: BinaryIO,
+    fd: int | None,
+    offset: int,
+    out: memoryview,
+    block: int,
+    of: Callable[..., int],
+    expected: list[int],
+    fqn: str,
 ) -> bool:
     """Fill ``out`` from ``offset`` on, :data:`HOT_SLICE` at a time, and compare the checksums
     of each slice's ``block``-sized pieces with ``expected`` as soon as the slice lands, while
     it is in the CPU cache; False at the first mismatch (the rest is not read)."""
-    fd = _local_file_descriptor(stream)
     step = max(HOT_SLICE // block, 1) * block
     in_slice = range(0, step, block)
     checked = 0  # blocks compared so far
     for at in range(0, out.nbytes, step):
         target = out[at : at + step]
-        if fd is None or os.preadv(fd, [target], offset + at) != target.nbytes:
-            _read_exactly(stream, offset + at, target, fqn)
+        _read_exactly(stream, fd, offset + at, target, fqn)
         blocks = in_slice if target.nbytes == step else range(0, target.nbytes, block)
         got = [of(target[start : start + block]) for start in blocks]
         if got != expected[checked : checked + len(got)]:
@@ -265,8 +269,9 @@ def _read_checked(
     return True
 
 
-def _read_exactly(stream: BinaryIO, offset: int, out: memoryview, fqn: str) -> None:
-    fd = _local_file_descriptor(stream)
+def _read_exactly(stream: BinaryIO, fd: int | None, offset: int, out: memoryview, fqn: str) -> None:
+    """``out`` filled from ``offset``: positional reads on ``fd`` where the stream has one
+    (:func:`_local_file_descriptor`), else a seek and reads."""
     if fd is None:
         stream.seek(offset)
     done = 0

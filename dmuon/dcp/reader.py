@@ -149,7 +149,9 @@ class _Delivery:
                     f"expected {tuple(target.size())}"
                 )
             start = _row_range_start(md, index, req) if isinstance(md, TensorStorageMetadata) else None
-            in_place = target.is_contiguous() and target.device.type == "cpu" and target.dtype == self.dtype
+            in_place = start is not None and (
+                target.is_contiguous() and target.device.type == "cpu" and target.dtype == self.dtype
+            )
             self.targets.append((target, start, tensor_memory(target) if in_place else None))
 
     def read(self, listing: CheckpointListing, stream: BinaryIO, planner: LoadPlanner) -> None:
