@@ -151,7 +151,9 @@ def _resumed(rank: int, world_size: int, args, out_dir: str) -> None:
     t0 = time.perf_counter()
     start = manager.load_latest(model, optimizer)
     load_secs = time.perf_counter() - t0
-    rows = train_steps(model, optimizer, start or 0, args.steps, rank)
+    if start is None:  # the crashing run committed checkpoints: not finding one is a failure
+        raise RuntimeError(f"no committed checkpoint under {args.run_dir} to resume from")
+    rows = train_steps(model, optimizer, start, args.steps, rank)
     manager.save(args.steps, model, optimizer, extra={"step": args.steps})
     state = dmuon.get_model_state_dict(model)
     if rank == 0:

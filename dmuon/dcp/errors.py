@@ -10,6 +10,7 @@ __all__ = [
     "CheckpointIncompleteError",
     "CheckpointMismatchError",
     "CheckpointNotFoundError",
+    "NoLoadableCheckpointError",
     "PlanCacheError",
     "SaveRefusedError",
     "StorageError",
@@ -75,6 +76,15 @@ class SaveRefusedError(_ProblemListError):
     shape); raised while planning, so nothing was written and nothing committed."""
 
     headline = "refusing to save ({count} problem(s)); nothing was written"
+
+
+class NoLoadableCheckpointError(_ProblemListError):
+    """Committed checkpoints exist and none of them loads; one line per checkpoint and its error.
+
+    Raised instead of resuming from nothing: a job that cannot read its own checkpoints must
+    stop and say so, not train from scratch over them."""
+
+    headline = "none of the {count} committed checkpoint(s) could be loaded; refusing to start over"
 
 
 def from_checkpoint_exception(exc, what: str) -> CheckpointError:

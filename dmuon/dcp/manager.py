@@ -12,7 +12,12 @@ from ..optim.muon import Muon
 from ..topology import current_rank as _rank
 from . import api
 from .async_checkpointer import AsyncCheckpointer, AsyncSaveHandle
-from .errors import CheckpointCorruptError, CheckpointError, CheckpointIncompleteError
+from .errors import (
+    CheckpointCorruptError,
+    CheckpointIncompleteError,
+    NoLoadableCheckpointError,
+    UnsafeCheckpointError,
+)
 from .format import METADATA
 from .plan_cache import SavePlanCache
 from .store import open_store, remove_checkpoint
@@ -136,21 +141,30 @@ class CheckpointManager:
         return removed
 
     def load_latest(self, model: nn.Module, optimizer: Muon | None) -> int | None:
-        """Collective: load the newest committed step that loads cleanly; returns it, or None.
+        """Collective: load the newest committed step that loads; returns it, or None if none is committed.
 
-        A step whose data turns out corrupted is skipped for the one before it (that load then
-        overwrites whatever the failed attempt had written).
+        Only a step whose bytes are at fault (incomplete, or failing a checksum, size or structural
+        check) is skipped for the one before it; that load then overwrites whatever the failed
+        attempt had written. Any other error, a checkpoint refused as unsafe or one that does not
+        fit the model among them, is raised at once: falling back to an older step, or starting
+        over, because this process cannot read what it wrote would silently throw training away.
+        When committed steps exist and none loads, :class:`NoLoadableCheckpointError` lists every
+        step's error; None means there was nothing to resume from.
         """
         self.wait()
+        failures: list[str] = []
         for step in reversed(self.steps()):
             try:
                 self.last_extra = api.load(model, optimizer, self.path(step), storage_options=self.storage_options)
+            except UnsafeCheckpointError:
+                raise
             except (CheckpointCorruptError, CheckpointIncompleteError) as exc:
                 log.warning("skipping %s: %s", self.path(step), exc)
+                failures.append(f"{self.path(step)}: {exc}")
                 continue
-            except CheckpointError:
-                raise
             if _rank() == 0:
                 self.clean_up()
             return step
+        if failures:
+            raise NoLoadableCheckpointError(failures)
         return None

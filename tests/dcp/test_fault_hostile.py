@@ -15,8 +15,9 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 import dmuon.dcp as ddcp
 from dmuon.dcp.checkpoint import open_checkpoint
 from dmuon.dcp.checksums import checksum_of
-from dmuon.dcp.manifest import ItemChecksums, decode_manifest, encode_manifest
+from dmuon.dcp.manifest import ItemChecksums
 from tests.helpers.launch import run_ranks
+from tests.helpers.tamper import manifest_of, rewrite
 from tests.helpers.training import build, train
 
 
@@ -31,21 +32,6 @@ def pristine(tmp_path_factory):
     path = tmp_path_factory.mktemp("hostile") / "ckpt"
     run_ranks(save_worker, 2, str(path))
     return path
-
-
-def manifest_of(path):
-    name = next(f for f in os.listdir(path) if f.startswith(".dmuon-manifest-"))
-    return name, decode_manifest(name, (path / name).read_bytes())
-
-
-def rewrite(path, metadata_bytes, files=None):
-    """Install new .metadata bytes with a manifest that vouches for them."""
-    name, manifest = manifest_of(path)
-    (path / ".metadata").write_bytes(metadata_bytes)
-    manifest.files = files or manifest.files
-    manifest.metadata_size = len(metadata_bytes)
-    manifest.metadata_checksum = checksum_of(manifest.checksum, metadata_bytes)
-    (path / name).write_bytes(encode_manifest(manifest))
 
 
 class RunsCode:
@@ -135,3 +121,50 @@ def test_non_tensor_entry_that_unpickles_arbitrary_objects(pristine, tmp_path, r
     assert all((e and "weights_only" in e.lower()) or "unpickl" in (e or "").lower() for e in errors), errors
     assert not marker.exists()
     reliability_report.setdefault("hostile", {})["code_in_non_tensor_entry"] = "refused, no code ran"
+
+
+class Getattr:
+    """Pickles as ``getattr(owner, name)``: how Python 3.11.2 pickles an enum member."""
+
+    def __init__(self, owner, name):
+        self.owner, self.name = owner, name
+
+    def __reduce__(self):
+        return (getattr, (self.owner, self.name))
+
+
+def _run_code_through_getattr(marker):
+    """``getattr(builtins.__import__("os"), "system")("touch marker")`` as raw pickle opcodes."""
+    return (
+        b"\x80\x04cbuiltins\ngetattr\n(cbuiltins\n__import__\n(X\x02\x00\x00\x00ostRX\x06\x00\x00\x00systemtR"
+        + b"(X" + len(f"touch {marker}").to_bytes(4, "little") + f"touch {marker}".encode() + b"tR."
+    )
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        "os-system",
+        Getattr(ddcp.DMuonLoadPlanner, "__init__"),  # a class that is not on the allow-list
+        Getattr(__import__("pathlib").PosixPath, "home"),  # an allowed class that is not an enum
+        Getattr(__import__("torch.distributed.checkpoint.metadata").distributed.checkpoint.metadata
+                ._MEM_FORMAT_ENCODING, "__init__"),  # an allowed enum, not one of its members
+        Getattr(__import__("torch.distributed.checkpoint.metadata").distributed.checkpoint.metadata
+                ._MEM_FORMAT_ENCODING, "_member_map_"),
+    ],
+    ids=["getattr-os-system", "not-allowed-class", "allowed-non-enum", "enum-method", "enum-private"],
+)
+def test_getattr_reaches_nothing_but_an_enum_member(pristine, tmp_path, payload, reliability_report):
+    target = copy(pristine, tmp_path, "evil-getattr")
+    marker = tmp_path / "PWNED-getattr"
+    if payload == "os-system":
+        evil = _run_code_through_getattr(marker)
+    else:
+        md = pickle.loads((pristine / ".metadata").read_bytes())
+        md.planner_data["__dmuon__"]["payload"] = payload
+        evil = pickle.dumps(md)
+    rewrite(target, evil)
+    with pytest.raises(ddcp.UnsafeCheckpointError, match="refusing to unpickle"):
+        open_checkpoint(str(target))
+    assert not marker.exists()
+    reliability_report.setdefault("hostile", {})["getattr beyond enum members"] = "refused, no code ran"

@@ -116,3 +116,96 @@ def test_async_manager_keeps_the_step_being_written(tmp_path):
 def test_async_manager_needs_keep_last_2():
     with pytest.raises(ValueError, match="keep_last must be >= 2"):
         ddcp.CheckpointManager("/tmp/x", keep_last=1, async_save=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# load_latest falls back only past a step whose bytes are at fault, and never starts over silently
+# ---------------------------------------------------------------------------------------------
+def two_steps_worker(rank, world, root):
+    model, opt = build()
+    manager = ddcp.CheckpointManager(root, keep_last=3)
+    for step in (1, 2):
+        train(model, opt, rank, world, range(step - 1, step))
+        manager.save(step, model, opt, extra={"step": step})
+    return dmuon.get_model_state_dict(model)
+
+
+def load_latest_worker(rank, world, root):
+    model, opt = build()
+    before = dmuon.get_model_state_dict(model, rank0_only=False)
+    manager = ddcp.CheckpointManager(root, keep_last=3)
+    try:
+        step = manager.load_latest(model, opt)
+    except ddcp.CheckpointError as exc:
+        return {"error": f"{type(exc).__name__}: {exc}",
+                "unchanged": max_abs_diff(dmuon.get_model_state_dict(model, rank0_only=False), before) == 0.0}
+    return {"step": step, "state": dmuon.get_model_state_dict(model)}
+
+
+def refuse_metadata(path):
+    """A .metadata naming a class the allow-list does not know, as another Python might write it."""
+    import fractions
+    import pickle
+
+    from tests.helpers.tamper import rewrite
+
+    metadata = pickle.loads((path / ".metadata").read_bytes())
+    metadata.planner_data["__dmuon__"]["written_by"] = fractions.Fraction(1, 3)
+    rewrite(path, pickle.dumps(metadata))
+
+
+def flip_a_data_byte(path):
+    victim = max(path.glob("*.distcp"), key=lambda p: p.stat().st_size)
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    victim.write_bytes(bytes(data))
+
+
+def test_load_latest_raises_on_a_refused_step_instead_of_falling_back(tmp_path):
+    root = tmp_path / "run"
+    run_ranks(two_steps_worker, 2, str(root))
+    refuse_metadata(root / "step-2")
+    for res in run_ranks(load_latest_worker, 2, str(root)):
+        assert res["error"].startswith("UnsafeCheckpointError") and "fractions.Fraction" in res["error"], res
+        assert res["unchanged"]
+
+
+def test_load_latest_skips_a_corrupted_step_and_raises_when_none_loads(tmp_path):
+    root = tmp_path / "run"
+    saved = run_ranks(two_steps_worker, 2, str(root))[0]
+    flip_a_data_byte(root / "step-2")
+    res = run_ranks(load_latest_worker, 2, str(root))[0]
+    assert res["step"] == 1 and "state" in res and max_abs_diff(res["state"], saved) > 0.0
+    flip_a_data_byte(root / "step-1")
+    for res in run_ranks(load_latest_worker, 2, str(root)):
+        assert res["error"].startswith("NoLoadableCheckpointError"), res
+        assert "step-1" in res["error"] and "step-2" in res["error"] and "checksum" in res["error"], res
+
+
+def oddshapes_resume_worker(rank, world, root):
+    import torch
+
+    from tests.dcp.test_format_compat import DEDICATED
+    from tests.helpers.models import OddShapes
+    from tests.helpers.setup import make_mesh, shard_model
+
+    torch.manual_seed(1)
+    model = OddShapes()
+    _, opt = shard_model(model, make_mesh(), lambda n, p: n in DEDICATED, wrap=())
+    manager = ddcp.CheckpointManager(root)
+    step = manager.load_latest(model, opt)
+    return {"step": step, "extra": manager.last_extra, "model": dmuon.get_model_state_dict(model)}
+
+
+def test_load_latest_resumes_a_step_written_on_python_3_11_2(tmp_path):
+    import shutil
+
+    import torch
+
+    from tests.dcp.test_format_compat import FIXTURES
+
+    fixture = FIXTURES / "python-3.11.2"
+    shutil.copytree(fixture / "dmuon-save", tmp_path / "run" / "step-2")
+    got = run_ranks(oddshapes_resume_worker, 2, str(tmp_path / "run"))[0]
+    assert got["step"] == 2 and got["extra"]["note"] == "written on Python 3.11.2"
+    assert max_abs_diff(got["model"], torch.load(fixture / "expected.pt", weights_only=True)["model"]) == 0.0
