@@ -1,5 +1,6 @@
 """dmuon: Muon on FSDP2 with owner-dedicated parameters, and sharded DCP checkpoints."""
 
+from . import exit_guard
 from .dedicate import dedicate_params
 from .dedicated import wait_all_replicate_broadcasts
 from .optim import Muon
@@ -12,6 +13,8 @@ from .state_dict import (
 )
 
 __version__ = "0.1.0"
+
+exit_guard.install()  # an async save in flight at teardown is finished or reported (exit_guard.py)
 
 __all__ = [
     "Muon",

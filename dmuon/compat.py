@@ -23,6 +23,7 @@ import torch.distributed.checkpoint.state_dict as _torch_state_dict
 
 __all__ = [
     "CURRENT_DCP_VERSION",
+    "DCP_ASYNC_THREAD_PREFIX",
     "FSDP_PATCH_MODULE",
     "FSDP_PATCH_TARGET",
     "StateDictRequest",
@@ -130,3 +131,12 @@ storage_type_names = _require(_storage, "_dtype_to_storage_type_map")
 # ---------------------------------------------------------------------------------------------
 FSDP_PATCH_MODULE = "torch.distributed.fsdp._fully_shard._fully_shard"
 FSDP_PATCH_TARGET = "_get_modules_and_states"
+
+
+# ---------------------------------------------------------------------------------------------
+# torch's thread-based dcp.async_save: how its worker thread is named (see exit_guard.py)
+# ---------------------------------------------------------------------------------------------
+#: ``_ThreadBasedAsyncCheckpointExecutor`` runs each save on a thread named with this prefix;
+#: dmuon's exit guard waits for such threads before a process group is torn down.
+#: ``tests/core/test_compat.py`` starts a torch async save and finds its thread by this name.
+DCP_ASYNC_THREAD_PREFIX = "AsyncCheckpointExecutor"

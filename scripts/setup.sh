@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Creates .venv and installs dmuon with CPU torch 2.13.0. Usage: scripts/setup.sh [extras]
+# DMUON_PYTHON: the interpreter the venv is made from (default python3; CI's other legs set it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 extras="${1:-}"
 if [ ! -x .venv/bin/python ]; then
-    python3 -m venv .venv
+    "${DMUON_PYTHON:-python3}" -m venv .venv
 fi
 stamp=".venv/.dmuon-installed-${extras:-base}"
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then

@@ -9,7 +9,10 @@ needs from it, on an object the caller owns:
 * the CPU staging copies are reused from one save to the next (torch's stager keeps one CPU
   storage per source storage) and released by :meth:`AsyncCheckpointer.close`;
 * the save plans too (a :class:`~dmuon.dcp.SavePlanCache`): a save whose layout did not
-  change skips re-planning; a failed save clears them.
+  change skips re-planning; a failed save clears them;
+* a save still in flight when the job ends (``destroy_process_group``, exit, an exception,
+  SIGTERM) is finished first, or reported on stderr with a non-zero exit
+  (:mod:`dmuon.exit_guard`); ``close()`` remains the way to end cleanly.
 
 ``dmuon.dcp.async_save(model, ...)`` uses the checkpointer of that model (see
 :func:`async_checkpointer`); a :class:`~dmuon.dcp.CheckpointManager` owns its own.
@@ -28,6 +31,7 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
+from .. import exit_guard
 from ..optim.muon import Muon
 from .app_state import AppState
 from .errors import CheckpointError, from_checkpoint_exception
@@ -98,6 +102,24 @@ class AsyncCheckpointer:
     def in_flight(self) -> AsyncSaveHandle | None:
         return self._in_flight
 
+    def pending_description(self) -> str | None:
+        """The checkpoint being written, or whose failure nobody has seen (exit guard protocol)."""
+        handle = self._in_flight
+        if handle is None or (handle.done() and (handle.error is None or handle.reported)):
+            return None
+        return str(handle.checkpoint_id)
+
+    def finish_pending(self) -> str | None:
+        """Wait for the save in flight; None if it committed, else its error (exit guard protocol)."""
+        handle = self._in_flight
+        if handle is None:
+            return None
+        try:
+            handle.wait()
+        except CheckpointError as exc:
+            return str(exc)
+        return None
+
     def _process_group(self) -> dist.ProcessGroup | None:
         if self._group is None and dist.is_initialized():
             self._group = dist.new_group(backend="gloo")
@@ -113,6 +135,7 @@ class AsyncCheckpointer:
         finally:
             if handle.error is not None:  # (every rank's save failed: every rank clears)
                 self.plan_cache.clear()
+            exit_guard.release_signals_if_idle()
 
     def save(
         self,
@@ -130,6 +153,7 @@ class AsyncCheckpointer:
         state at the call.
         """
         self.raise_pending_failure()
+        exit_guard.track(self)  # raises first if this torch cannot guard a save at teardown
         group = self._process_group()
         if self._stager is None:
             self._stager = DefaultStager(_staging_options())
@@ -144,6 +168,7 @@ class AsyncCheckpointer:
         )
         assert isinstance(future, concurrent.futures.Future)  # staging is synchronous here
         self._in_flight = AsyncSaveHandle(checkpoint_id, future)
+        exit_guard.guard_signals()
         return self._in_flight
 
     def close(self) -> None:

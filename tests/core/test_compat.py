@@ -55,7 +55,24 @@ def test_state_dict_request_reads_the_options_torch_was_called_with():
     assert seen == [compat.StateDictRequest(False, False), compat.StateDictRequest(True, True), None]
 
 
+def async_thread_worker(rank, world, path):
+    import threading
+
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    future = dcp.async_save({"w": torch.ones(4)}, checkpoint_id=path, process_group=dist.new_group(backend="gloo"))
+    names = [t.name for t in threading.enumerate()]
+    future.result()
+    return names
+
+
+def test_torch_async_save_runs_on_a_thread_named_with_the_prefix(tmp_path):
+    names = run_ranks(async_thread_worker, 1, str(tmp_path / "ckpt"))[0]
+    assert any(name.startswith(compat.DCP_ASYNC_THREAD_PREFIX) for name in names), names
+
+
 def test_compat_names_are_all_exercised():
-    tested = {"StorageInfo", "CURRENT_DCP_VERSION", "set_element", "rebuild_tensor", "storage_type_names",
+    tested = {"StorageInfo", "DCP_ASYNC_THREAD_PREFIX", "CURRENT_DCP_VERSION", "set_element", "rebuild_tensor", "storage_type_names",
               "FSDP_PATCH_MODULE", "FSDP_PATCH_TARGET", "state_dict_request", "StateDictRequest", "TorchCompatError"}
     assert set(compat.__all__) == tested

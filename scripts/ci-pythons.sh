@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# CI legs on the other Pythons the package claims, each in a fresh clone of this checkout's HEAD
+# with its own .venv, through the README's own scripts:
+#   - Debian's system python3 (3.11.2 on this machine kind: the Python whose pickles differ) as
+#     a non-root user: the demo, then the checkpoint save/load tests;
+#   - the lowest and the highest claimed Python (3.10, 3.13; pyenv's or on PATH): the same tests.
+# A Python that is not on the machine is reported and skipped; DMUON_REQUIRE_ALL_PYTHONS=1 makes
+# that an error. Usage: scripts/ci-pythons.sh [leg ...]  (legs: system, 3.10, 3.13; default all)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+repo=$PWD
+legs=("$@")
+[ ${#legs[@]} -gt 0 ] || legs=(system 3.10 3.13)
+
+# What a Python's checkpoints touch: the runtime, every save and load entry point, resume,
+# the manager, the metadata allow-list and the fixtures written on other Pythons.
+TESTS=(
+    tests/core
+    tests/dcp/test_format_compat.py tests/dcp/test_fault_hostile.py tests/dcp/test_resume.py
+    tests/dcp/test_entry_points.py tests/dcp/test_async.py tests/dcp/test_manager.py
+)
+USER_NAME=dmuon-ci
+
+find_python() {  # $1: "system" or a version such as 3.10
+    if [ "$1" = system ]; then
+        [ -x /usr/bin/python3 ] && echo /usr/bin/python3
+        return 0
+    fi
+    local found
+    found=$(command -v "python$1" 2>/dev/null || true)
+    if [ -z "$found" ]; then
+        local root
+        root=$(pyenv root 2>/dev/null || echo "$HOME/.pyenv")
+        found=$(find "$root/versions" -maxdepth 3 -path "*/versions/$1.*/bin/python$1" 2>/dev/null | sort -V | tail -n 1)
+    fi
+    echo "$found"
+}
+
+as_user() {  # run a command as the non-root user when we are root, else as ourselves
+    if [ "$(id -u)" = 0 ]; then
+        runuser -u "$USER_NAME" -- env HOME="/home/$USER_NAME" "$@"
+    else
+        "$@"
+    fi
+}
+
+run_leg() {  # $1: leg name
+    local python clone
+    python=$(find_python "$1")
+    if [ -z "$python" ]; then
+        echo "ci-pythons: no Python for leg '$1' on this machine" >&2
+        [ "${DMUON_REQUIRE_ALL_PYTHONS:-0}" = 1 ] && return 1
+        return 0
+    fi
+    echo "== leg $1: $("$python" --version 2>&1) ($python)"
+    clone=$(mktemp -d "/tmp/dmuon-leg-$1-XXXXXX")
+    git clone -q "$repo" "$clone/dmuon"
+    if [ "$1" = system ]; then
+        if [ "$(id -u)" = 0 ]; then
+            id "$USER_NAME" >/dev/null 2>&1 || useradd --create-home --shell /bin/bash "$USER_NAME"
+            chown -R "$USER_NAME:$USER_NAME" "$clone"
+        fi
+        # DMUON_REQUIRE_ALL_STORES is left out: Ceph's packages need root, which this leg is not.
+        as_user env -u DMUON_REQUIRE_ALL_STORES DMUON_PYTHON="$python" bash "$clone/dmuon/scripts/demo.sh" --steps 20 --save-every 5 --crash-at 12
+        as_user env -u DMUON_REQUIRE_ALL_STORES DMUON_PYTHON="$python" bash "$clone/dmuon/scripts/test.sh" -p no:cacheprovider "${TESTS[@]}"
+    else
+        DMUON_PYTHON="$python" bash "$clone/dmuon/scripts/test.sh" -p no:cacheprovider "${TESTS[@]}"
+    fi
+    rm -rf "$clone"
+}
+
+for leg in "${legs[@]}"; do
+    run_leg "$leg"
+done
