@@ -37,6 +37,29 @@ _S3 = ("s3", "s3a")
 S3_REQUEST_RETRIES = {"mode": "standard", "max_attempts": 3}
 
 
+# S3_REQUEST_RETRIES's keys -> where botocore reads them otherwise (environment, config file)
+_RETRY_SETTINGS = {"mode": ("AWS_RETRY_MODE", "retry_mode"), "max_attempts": ("AWS_MAX_ATTEMPTS", "max_attempts")}
+
+
+def _configured_retry_settings(options: dict) -> set[str]:
+    """Which of ``S3_REQUEST_RETRIES``'s keys the user set where botocore looks for them: in
+    the environment, or in the config file's section for the profile in use (s3fs's
+    ``profile`` or ``session`` option, else ``AWS_PROFILE``)."""
+    configured = {key for key, (variable, _) in _RETRY_SETTINGS.items() if os.environ.get(variable)}
+    if len(configured) == len(_RETRY_SETTINGS):
+        return configured
+    try:
+        import botocore.session
+
+        session: Any = options.get("session")
+        if not hasattr(session, "get_scoped_config"):
+            session = botocore.session.Session(profile=options.get("profile"))
+        scoped = session.get_scoped_config()
+    except Exception:  # no botocore, or a profile that is not there: s3fs reports that itself
+        return configured
+    return configured | {key for key, (_, name) in _RETRY_SETTINGS.items() if name in scoped}
+
+
 def _bounded_s3_retries(url: str, options: dict) -> dict:
     """Give botocore a retry policy with a known ceiling, unless the caller chose one.
 
@@ -44,14 +67,19 @@ def _bounded_s3_retries(url: str, options: dict) -> dict:
     times around it: a dead endpoint then took anywhere from 30 s to over 60 s to report.
     "standard" mode (AWS's recommendation) still retries throttling, 5xx and resets, and, with
     s3fs's own five, makes 15 tries per call within about half a minute. An explicit
-    ``config_kwargs["retries"]`` wins.
+    ``config_kwargs["retries"]`` wins; so does a mode or an attempt count set in the
+    environment or the AWS config file (an explicit client setting would override those).
     """
     if url.split("://", 1)[0] not in _S3:
         return options
     config = dict(options.get("config_kwargs") or {})
     if "retries" in config:
         return options
-    config["retries"] = dict(S3_REQUEST_RETRIES)
+    configured = _configured_retry_settings(options)
+    retries = {key: value for key, value in S3_REQUEST_RETRIES.items() if key not in configured}
+    if not retries:
+        return options
+    config["retries"] = retries
     return {**options, "config_kwargs": config}
 
 
