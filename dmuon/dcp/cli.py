@@ -9,7 +9,7 @@ import sys
 from .checkpoint import inspect, open_checkpoint
 from .errors import CheckpointError
 from .export import release_freed_memory_promptly
-from .store import storage_options_from_pairs
+from .store import exception_chain, storage_options_from_pairs
 
 __all__ = ["main"]
 
@@ -53,6 +53,22 @@ def _progress_bar(total: int):
     )
 
 
+_CREDENTIALS_NOTE = (
+    "Without options, s3:// and gs:// take credentials and endpoint from the environment, as "
+    "s3fs and gcsfs do: AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL, AWS_PROFILE, "
+    "~/.aws/config and credentials (AWS_CONFIG_FILE, AWS_SHARED_CREDENTIALS_FILE); "
+    "GOOGLE_APPLICATION_CREDENTIALS, STORAGE_EMULATOR_HOST."
+)
+
+
+def _output_options(pairs: list[str] | None) -> dict | None:
+    """``--output-storage-option`` pairs; ``None`` when the flag was never given (the output
+    then reuses the checkpoint's options if it is on the same kind of store)."""
+    if pairs is None:
+        return None
+    return storage_options_from_pairs(pairs, flag="--output-storage-option")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dmuon-ckpt", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -61,19 +77,35 @@ def main(argv: list[str] | None = None) -> int:
         ("verify", "re-read every file and check sizes and checksums"),
         ("export", "write safetensors or one flat .pt"),
     ):
-        cmd = sub.add_parser(name, help=help_text)
-        cmd.add_argument("checkpoint")
+        cmd = sub.add_parser(name, help=help_text, epilog=_CREDENTIALS_NOTE)
+        cmd.add_argument("checkpoint", metavar="CKPT", help="checkpoint directory: a local path, s3://... or gs://...")
         cmd.add_argument(
             "--storage-option",
             action="append",
             default=[],
             metavar="KEY=VALUE",
-            help="fsspec option for s3:// or gs:// (repeatable)",
+            help="fsspec option for the checkpoint on s3:// or gs:// (repeatable)"
+            + (
+                "; OUT reuses them only when it is on the same kind of store (both s3://, both "
+                "gs://, both local) and no --output-storage-option is given"
+                if name == "export"
+                else ""
+            ),
         )
         if name == "inspect":
             cmd.add_argument("--json", action="store_true", help="machine-readable output")
         if name == "export":
-            cmd.add_argument("output")
+            cmd.add_argument(
+                "output", metavar="OUT", help="directory (safetensors) or file (torch): a local path or URL"
+            )
+            cmd.add_argument(
+                "--output-storage-option",
+                action="append",
+                default=None,
+                metavar="KEY=VALUE",
+                help="fsspec option for OUT when it is itself on s3:// or gs:// (repeatable); "
+                "given at all, they replace the checkpoint's options for OUT",
+            )
             cmd.add_argument("--format", choices=("safetensors", "torch"), default="safetensors")
             cmd.add_argument("--dtype", default=None, help="cast floating tensors, e.g. bfloat16")
             cmd.add_argument("--max-shard-size", default="5GB")
@@ -91,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
                 dtype=args.dtype,
                 max_shard_size=args.max_shard_size,
                 storage_options=options,
+                output_storage_options=_output_options(args.output_storage_option),
             )
             for path in files:
                 print(path)
@@ -116,6 +149,30 @@ def main(argv: list[str] | None = None) -> int:
     except (CheckpointError, OSError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    except Exception as exc:
+        if not _credentials_missing(exc):
+            raise
+        print(f"error: {type(exc).__name__}: {exc}. {_CREDENTIALS_HINT}", file=sys.stderr)
+        return 1
+
+
+# botocore's and google-auth's "no usable credentials" errors, matched by class name so that
+# neither library is imported here
+_CREDENTIAL_ERRORS = {
+    "NoCredentialsError",
+    "PartialCredentialsError",
+    "CredentialRetrievalError",
+    "DefaultCredentialsError",
+    "RefreshError",
+}
+_CREDENTIALS_HINT = (
+    "Give them with --storage-option (s3://: key=... secret=...; gs://: token=/path/key.json), or "
+    "where s3fs and gcsfs look for them (see --help)"
+)
+
+
+def _credentials_missing(exc: BaseException) -> bool:
+    return any({cls.__name__ for cls in type(link).__mro__} & _CREDENTIAL_ERRORS for link in exception_chain(exc))
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ __all__ = [
     "parse_size",
     "read_full",
     "release_freed_memory_promptly",
+    "resolve_output_options",
     "write_safetensors",
     "write_torch_file",
 ]
@@ -258,6 +259,39 @@ def _split_file(path: str) -> tuple[str, str]:
     return head, name
 
 
+# Schemes that name the same filesystem (s3fs, gcsfs) count as one kind of store.
+_SCHEME_ALIASES = {"s3a": "s3", "gcs": "gs"}
+
+
+def _store_kind(location: str) -> str:
+    """``""`` for a local path (``file://`` included), else the URL's scheme, aliases folded."""
+    if not is_remote(location):
+        return ""
+    scheme = location.split("://", 1)[0].lower()
+    return _SCHEME_ALIASES.get(scheme, scheme)
+
+
+def resolve_output_options(
+    checkpoint_id: str | os.PathLike,
+    output: str | os.PathLike,
+    storage_options: dict | None,
+    output_storage_options: dict | None,
+) -> dict | None:
+    """The storage options :func:`export` opens ``output`` with.
+
+    ``output_storage_options`` when given (``{}`` included: nothing but the environment's
+    defaults); otherwise the checkpoint's ``storage_options`` if the output is on the same
+    kind of store (same scheme, or both local), since it then most likely lives on the same
+    service under the same account; otherwise none. A source's options never reach a store of
+    another kind: S3 credentials are not GCS options, and a local path takes none of them.
+    """
+    if output_storage_options is not None:
+        return output_storage_options
+    if _store_kind(os.fspath(checkpoint_id)) == _store_kind(os.fspath(output)):
+        return storage_options
+    return None
+
+
 def export(
     checkpoint_id: str | os.PathLike,
     output: str | os.PathLike,
@@ -274,13 +308,23 @@ def export(
     ``model.safetensors.index.json`` beyond ``max_shard_size``) and a file path for
     ``format="torch"``. Keys lose the ``model.`` prefix: they are the unwrapped model's
     ``state_dict()`` keys. ``dtype`` casts floating tensors. Local paths or fsspec URLs.
+
+    ``storage_options`` open the checkpoint. The output is opened with
+    ``output_storage_options`` when given; without them it reuses ``storage_options`` only if
+    it is on the same kind of store as the checkpoint (both ``s3://``, both ``gs://``, both
+    local), taken to be the same service and account; an output of another kind (a local
+    directory for an ``s3://`` checkpoint) gets no options of the source's. Pass
+    ``output_storage_options={}`` to open a same-kind output with the environment's defaults
+    only. Either side may instead take its credentials and endpoint from the environment, as
+    s3fs and gcsfs do (``AWS_ACCESS_KEY_ID``, ``AWS_ENDPOINT_URL``, ``~/.aws/config``,
+    ``GOOGLE_APPLICATION_CREDENTIALS``, ``STORAGE_EMULATOR_HOST``, ...).
     """
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype.replace("torch.", ""), None)
         if not isinstance(dtype, torch.dtype):
             raise ValueError(f"unknown dtype {dtype!r}")
     output = os.fspath(output)
-    out_options = output_storage_options if output_storage_options is not None else storage_options
+    out_options = resolve_output_options(checkpoint_id, output, storage_options, output_storage_options)
     listing = open_checkpoint(checkpoint_id, storage_options)
     entries = model_entries(listing, dtype)
     total = sum(e.nbytes for e in entries)

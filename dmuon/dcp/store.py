@@ -199,14 +199,14 @@ def open_store(
     return FsspecStore(text, storage_options)
 
 
-def storage_options_from_pairs(pairs: list[str]) -> dict | None:
-    """``["key=value", ...]`` (command-line flags) as fsspec storage options; values are JSON
-    where they parse as JSON (numbers, booleans, objects), else strings."""
+def storage_options_from_pairs(pairs: list[str], flag: str = "--storage-option") -> dict | None:
+    """``["key=value", ...]`` (command-line ``flag``s) as fsspec storage options; values are
+    JSON where they parse as JSON (numbers, booleans, objects), else strings."""
     options = {}
     for pair in pairs or []:
         key, sep, value = pair.partition("=")
         if not sep:
-            raise SystemExit(f"--storage-option expects key=value, got {pair!r}")
+            raise SystemExit(f"{flag} expects key=value, got {pair!r}")
         try:
             options[key] = json.loads(value)
         except ValueError:
