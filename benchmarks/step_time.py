@@ -2,6 +2,8 @@
 
     python benchmarks/step_time.py [--world-size 2] [--dim 256] [--layers 4] [--steps 20] [--runs 3]
 
+"dmuon+compile" is dmuon with each block compiled in place (``block.compile()``, inductor,
+before ``fully_shard``); its first 3 steps (which compile) are not counted, like every mode's.
 "dmuon-ns0" is dmuon with ns_steps=0: the difference to "dmuon" is the Newton-Schulz compute,
 the rest is communication and bookkeeping. All runs use the same transformer, data and mesh. "dmuon" dedicates every attention / MLP
 projection (Muon on its owner, the rest FSDP2 + AdamW); "fsdp2+adamw" shards everything with
@@ -34,6 +36,9 @@ def worker(rank, world, mode, dim, layers, steps):
     mesh = init_device_mesh("cpu", (world,))
     if mode.startswith("dmuon"):
         dmuon.dedicate_params(model, mesh, lambda n, p: p.ndim == 2 and "proj" in n)
+    if mode == "dmuon+compile":
+        for layer in model.layers:
+            layer.compile(fullgraph=True)
     for layer in model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -61,7 +66,7 @@ def main():
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--runs", type=int, default=3)
     args = parser.parse_args()
-    results = {"fsdp2+adamw": [], "dmuon": [], "dmuon-ns0": []}
+    results = {"fsdp2+adamw": [], "dmuon": [], "dmuon+compile": [], "dmuon-ns0": []}
     for _ in range(args.runs):  # interleaved, so drift of the machine hits both alike
         for mode in results:
             per_rank = run_ranks(worker, args.world_size, mode, args.dim, args.layers, args.steps, timeout=1800)
@@ -73,6 +78,8 @@ def main():
               + ", ".join(f"{r * 1e3:.1f}" for r in runs))
     ratio = statistics.median(results["dmuon"]) / statistics.median(results["fsdp2+adamw"])
     print(f"  ratio dmuon / fsdp2+adamw: {ratio:.2f}")
+    ratio = statistics.median(results["dmuon+compile"]) / statistics.median(results["dmuon"])
+    print(f"  ratio dmuon+compile / dmuon: {ratio:.2f}")
 
 
 if __name__ == "__main__":

@@ -2,8 +2,9 @@
 
 Checks that every rank selected the same parameters, assigns owners (``ownership.py``), builds
 a :class:`~dmuon.dedicated.DedicatedParam` per parameter, and installs the hooks that move it:
-forward/backward hooks on the modules that hold one, a post-accumulate-grad hook per
-parameter, and the ``state_dict`` hooks of ``dedicated_state_dict.py`` on the root module.
+forward/backward hooks on the modules that hold one (gathered onto each ``fully_shard``
+module later, see ``dedicated.py``), a post-accumulate-grad hook per parameter, and the
+``state_dict`` hooks of ``dedicated_state_dict.py`` on the root module.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.utils._pytree import tree_flatten
 
 from . import fsdp_patch
 from .dedicated import DedicatedParam, DedicatedRegistry, get_registry, register
@@ -49,33 +49,6 @@ def _check_same_everywhere(topo: Topology, selected: list[tuple[str, tuple[int, 
                 f"than its peers ({len(selected)} selected here); every rank must build the same "
                 "model and use the same predicate"
             )
-
-
-def _install_module_hooks(module: nn.Module, recs: list[DedicatedParam], registry: DedicatedRegistry):
-    def unshard_all() -> None:
-        for rec in recs:
-            rec.unshard()
-
-    def pre_forward(_module, _args):
-        unshard_all()
-
-    def pre_backward(grad):
-        unshard_all()
-        return grad
-
-    def post_forward(_module, _args, output):
-        grad_enabled = torch.is_grad_enabled()
-        if registry.reshard_after_forward or not grad_enabled:
-            for rec in recs:
-                rec.reshard()
-        if grad_enabled and registry.reshard_after_forward:
-            for tensor in tree_flatten(output)[0]:
-                if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
-                    tensor.register_hook(pre_backward)
-        return output
-
-    registry.handles.append(module.register_forward_pre_hook(pre_forward))
-    registry.handles.append(module.register_forward_hook(post_forward))
 
 
 def dedicate_params(
@@ -128,6 +101,7 @@ def dedicate_params(
         param.__create_write_items__ = refuse_placeholder_save  # type: ignore[attr-defined]
         registry.handles.append(param.register_post_accumulate_grad_hook(rec.reduce_grad))
         registry.records[fqn] = rec
+        rec.registry = registry
     _sync_replicas_at_start(registry)
 
     by_module: dict[nn.Module, list[DedicatedParam]] = {}
@@ -137,7 +111,7 @@ def dedicate_params(
             if found is not None and found.fqn in registry.records:
                 by_module.setdefault(module, []).append(found)
     for module, recs in by_module.items():
-        _install_module_hooks(module, recs, registry)
+        registry.add_site(module, recs)
     install_state_dict_hooks(model, registry)
     register(model, registry)
     return owners

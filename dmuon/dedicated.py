@@ -15,8 +15,17 @@ autograd all see one leaf per dedicated parameter. Its ``.data`` is swapped:
 After ``optimizer.step()`` the global owner broadcasts its new master to the other replicas of
 its shard column; :meth:`DedicatedParam.wait_replicate` drains that.
 
-This module holds the per-parameter record and the per-model registry; ``dedicate.py`` sets
-them up on a model, ``dedicated_state_dict.py`` makes ``state_dict()`` aware of them.
+The forward/backward hooks that move a group of dedicated parameters live on one module, a
+:class:`HookSite`: first the module that holds them; when ``fully_shard`` wraps an ancestor,
+the sites below it are gathered onto that module (``fsdp_patch.py`` calls
+:meth:`DedicatedRegistry.gather_hooks`), so that dedicated weights move at the same
+granularity as FSDP2's own parameters. The hooks never run inside a ``torch.compile`` graph
+(dynamo skips them, as it skips FSDP2's): they run eagerly at the compiled module's boundary,
+and a block compiled with ``fullgraph=True`` stays one graph.
+
+This module holds the per-parameter record, the hook sites and the per-model registry;
+``dedicate.py`` sets them up on a model, ``dedicated_state_dict.py`` makes ``state_dict()``
+aware of them.
 """
 
 from __future__ import annotations
@@ -30,6 +39,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._pytree import tree_flatten
 
 from .topology import Topology, current_rank
 
@@ -37,6 +47,7 @@ __all__ = [
     "REGISTRY_ATTR",
     "DedicatedParam",
     "DedicatedRegistry",
+    "HookSite",
     "from_global_owner",
     "get_registry",
     "live_registries",
@@ -76,6 +87,7 @@ class DedicatedParam:
         self._placeholder = torch.empty(0, dtype=compute_dtype, device=topo.device)
         self._unsharded = False
         self._replicate_work: dist.Work | None = None
+        self.registry: DedicatedRegistry | None = None  # set when registered
         param.data = self._placeholder
 
     @property
@@ -153,6 +165,57 @@ class DedicatedParam:
             work.wait()
 
 
+def _eager_only(hook):
+    """Dynamo runs ``hook`` eagerly instead of tracing it (collectives, ``.data`` swaps)."""
+    return torch._dynamo.disable(hook, recursive=True)
+
+
+class HookSite:
+    """The hooks that unshard and reshard some dedicated parameters around one module's calls.
+
+    Pre-forward: unshard (broadcast from the owner). Post-forward: reshard when
+    ``reshard_after_forward`` (or without grad), and a hook on the outputs unshards again
+    before this module's backward.
+    """
+
+    def __init__(self, module: nn.Module, recs: list[DedicatedParam], reshard_after_forward: bool) -> None:
+        self.module = module
+        self.recs = recs
+
+        def unshard_all() -> None:
+            for rec in recs:
+                rec.unshard()
+
+        def pre_forward(_module, _args):
+            unshard_all()
+
+        def pre_backward(grad):
+            unshard_all()
+            return grad
+
+        def post_forward(_module, _args, output):
+            grad_enabled = torch.is_grad_enabled()
+            if reshard_after_forward or not grad_enabled:
+                for rec in recs:
+                    rec.reshard()
+            if grad_enabled and reshard_after_forward:
+                for tensor in tree_flatten(output)[0]:
+                    if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+                        tensor.register_hook(eager_pre_backward)
+            return output
+
+        eager_pre_backward = _eager_only(pre_backward)
+        self._handles = [
+            module.register_forward_pre_hook(_eager_only(pre_forward)),
+            module.register_forward_hook(_eager_only(post_forward)),
+        ]
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+
 @dataclass(eq=False)
 class DedicatedRegistry:
     """Everything dmuon attached to one model; lives on the root module."""
@@ -161,6 +224,7 @@ class DedicatedRegistry:
     reshard_after_forward: bool
     records: dict[str, DedicatedParam] = field(default_factory=dict)
     handles: list = field(default_factory=list)
+    sites: list[HookSite] = field(default_factory=list)
     # per thread: > 0 while :func:`raw_state_dict` wants torch's own state dict (placeholders)
     _raw: threading.local = field(default_factory=threading.local)
     _aliases: dict | None = None
@@ -176,6 +240,21 @@ class DedicatedRegistry:
         if self._aliases is None:
             self._aliases = {alias: rec for rec in self for alias in rec.aliases}
         return self._aliases
+
+    def add_site(self, module: nn.Module, recs: list[DedicatedParam]) -> None:
+        self.sites.append(HookSite(module, recs, self.reshard_after_forward))
+
+    def gather_hooks(self, module: nn.Module) -> None:
+        """Move the hooks of every dedicated parameter under ``module`` onto ``module``
+        (``fully_shard(module)`` is being applied: FSDP2 moves its parameters there too)."""
+        below = {id(m) for m in module.modules()}
+        gathered = [site for site in self.sites if id(site.module) in below]
+        if not gathered or [site.module for site in gathered] == [module]:
+            return
+        for site in gathered:
+            site.remove()
+        self.sites = [site for site in self.sites if id(site.module) not in below]
+        self.add_site(module, [rec for site in gathered for rec in site.recs])
 
     def wait_all(self) -> None:
         for rec in self:

@@ -1,7 +1,9 @@
 """The one monkey patch dmuon makes: torch's ``fully_shard`` skips dedicated parameters.
 
 ``fully_shard`` already accepts ``ignored_params``; this patch wraps the internal helper that
-collects a module's parameters so it adds every parameter marked by ``dedicate_params``. Users
+collects a module's parameters so it adds every parameter marked by ``dedicate_params``, and
+gathers the dedicated parameters' unshard/reshard hooks onto the module being sharded
+(:meth:`~dmuon.dedicated.DedicatedRegistry.gather_hooks`), where FSDP2 puts its own. Users
 keep calling ``fully_shard(layer, mesh=mesh)`` unchanged, however they imported it, because
 ``fully_shard`` looks the helper up in its module's globals on every call.
 """
@@ -55,6 +57,12 @@ def install() -> None:
         dedicated = {p for root in roots for p in root.parameters() if is_dedicated(p)}
         if dedicated:
             ignored_params = set(ignored_params or ()) | dedicated
+            registries = {
+                id(rec.registry): rec.registry for p in dedicated if (rec := getattr(p, DEDICATED_ATTR)).registry
+            }
+            for registry in registries.values():
+                for root in roots:
+                    registry.gather_hooks(root)
         return original(module_arg, device, ignored_params, *args, **kwargs)
 
     skip_dedicated._dmuon_patched = True  # type: ignore[attr-defined]

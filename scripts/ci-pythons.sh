@@ -21,19 +21,21 @@ TESTS=(
 )
 USER_NAME=dmuon-ci
 
-find_python() {  # $1: "system" or a version such as 3.10
+find_python() {  # $1: "system" or a version such as 3.10; prints nothing if none runs
     if [ "$1" = system ]; then
         [ -x /usr/bin/python3 ] && echo /usr/bin/python3
         return 0
     fi
-    local found
-    found=$(command -v "python$1" 2>/dev/null || true)
-    if [ -z "$found" ]; then
-        local root
-        root=$(pyenv root 2>/dev/null || echo "$HOME/.pyenv")
-        found=$(find "$root/versions" -maxdepth 3 -path "*/versions/$1.*/bin/python$1" 2>/dev/null | sort -V | tail -n 1)
-    fi
-    echo "$found"
+    local root candidate
+    root=$(pyenv root 2>/dev/null || echo "$HOME/.pyenv")
+    # pyenv's own install first: its shims exist for every version but run only the selected one
+    for candidate in $(find "$root/versions" -maxdepth 3 -path "*/versions/$1.*/bin/python$1" 2>/dev/null | sort -V -r) \
+                     "$(command -v "python$1" 2>/dev/null || true)"; do
+        if [ -n "$candidate" ] && "$candidate" -c "import sys" >/dev/null 2>&1; then
+            echo "$candidate"
+            return 0
+        fi
+    done
 }
 
 as_user() {  # run a command as the non-root user when we are root, else as ourselves
