@@ -13,11 +13,14 @@ legs=("$@")
 [ ${#legs[@]} -gt 0 ] || legs=(system 3.10 3.13)
 
 # What a Python's checkpoints touch: the runtime, every save and load entry point, resume,
-# the manager, the metadata allow-list and the fixtures written on other Pythons.
+# the manager, the end of a job with a save in flight, the metadata allow-list and the
+# fixtures written on other Pythons; on local disk (object stores: the main suite).
 TESTS=(
-    tests/core
+    tests/core/test_state_dict.py tests/core/test_runtime_cases.py tests/core/test_compat.py
     tests/dcp/test_format_compat.py tests/dcp/test_fault_hostile.py tests/dcp/test_resume.py
     tests/dcp/test_entry_points.py tests/dcp/test_async.py tests/dcp/test_manager.py
+    tests/dcp/test_async_exit.py
+    -k "not s3 and not rgw and not gcs"
 )
 USER_NAME=dmuon-ci
 
