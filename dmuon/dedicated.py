@@ -232,9 +232,6 @@ class DedicatedRegistry:
     def __iter__(self) -> Iterator[DedicatedParam]:
         return iter(self.records.values())
 
-    def owners(self) -> dict[str, tuple[int, int]]:
-        return {fqn: rec.owner for fqn, rec in self.records.items()}
-
     def by_alias(self) -> dict[str, DedicatedParam]:
         """Every name of every dedicated parameter (tied aliases included) -> its record."""
         if self._aliases is None:

@@ -46,9 +46,6 @@ class Topology:
     def global_rank(self, slot: tuple[int, int]) -> int:
         return self.rank_table[slot[0]][slot[1]]
 
-    def describe(self) -> dict:
-        return {"replicate": self.replicate_size, "shard": self.shard_size}
-
 
 def mesh_device(mesh: DeviceMesh) -> torch.device:
     if mesh.device_type == "cpu":

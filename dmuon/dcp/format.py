@@ -48,7 +48,6 @@ __all__ = [
     "METADATA",
     "MODEL_PREFIX",
     "MODEL_SECTION",
-    "OPTIM_PREFIX",
     "OPTIM_SECTION",
     "RESERVED_KEY",
     "data_file_name",
@@ -57,7 +56,6 @@ __all__ = [
     "is_manifest_name",
     "manifest_name",
     "rank_of_data_file",
-    "save_id_of_manifest",
     "temp_name",
 ]
 
@@ -73,7 +71,6 @@ MODEL_SECTION = "model"
 OPTIM_SECTION = "optim"
 EXTRA_SECTION = "extra"
 MODEL_PREFIX = MODEL_SECTION + "."
-OPTIM_PREFIX = OPTIM_SECTION + "."
 
 _DATA_FILE = re.compile(r"^__(\d+)_([0-9A-Za-z]+)\.distcp$")
 _MANIFEST_PREFIX = ".dmuon-manifest-"
@@ -101,11 +98,6 @@ def manifest_name(save_id: str) -> str:
 
 def is_manifest_name(name: str) -> bool:
     return _MANIFEST_FILE.match(name) is not None
-
-
-def save_id_of_manifest(name: str) -> str | None:
-    match = _MANIFEST_FILE.match(name)
-    return match.group(1) if match else None
 
 
 def temp_name(name: str, token: str) -> str:

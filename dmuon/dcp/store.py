@@ -43,7 +43,6 @@ __all__ = [
     "is_remote",
     "open_store",
     "register_store",
-    "registered_schemes",
     "remove_checkpoint",
     "retrying",
     "storage_options_from_pairs",
@@ -157,10 +156,6 @@ def register_store(scheme: str, factory: StoreFactory) -> None:
 
 def unregister_store(scheme: str) -> None:
     _FACTORIES.pop(scheme, None)
-
-
-def registered_schemes() -> list[str]:
-    return sorted(_FACTORIES)
 
 
 def is_remote(checkpoint_id: str | os.PathLike) -> bool:
