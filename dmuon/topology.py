@@ -23,6 +23,14 @@ def current_rank() -> int:
 
 @dataclass(frozen=True)
 class Topology:
+    """Where this rank stands in the data-parallel mesh, as dedicated parameters need it.
+
+    ``shard_group`` is this rank's FSDP2 shard group (the broadcast and reduce of a dedicated
+    weight run there); ``replicate_group`` its HSDP replica group (None on a 1-D mesh). A slot
+    ``(r, s)`` is one cell of the replicate x shard grid; ``rank_table`` maps it to a global
+    rank, identically on every rank.
+    """
+
     shard_group: dist.ProcessGroup
     replicate_group: dist.ProcessGroup | None
     shard_size: int

@@ -70,6 +70,28 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 
 
 class Muon(torch.optim.Optimizer):
+    """One optimizer for the whole model: Muon for dedicated matrices, AdamW for the rest.
+
+    Build it after ``dmuon.dedicate_params`` and ``fully_shard``. Each dedicated matrix (2-D or
+    more, flattened to 2-D) is updated by Muon on its global owner only: momentum, Nesterov,
+    then ``ns_steps`` Newton-Schulz iterations that orthogonalise the update. Every other
+    trainable parameter (FSDP2 shards, dedicated vectors) gets AdamW on its local shard. Both
+    groups live in ``param_groups`` (named ``"muon"`` and ``"adamw"``) so schedulers see them.
+
+    Args:
+        model: the model ``dedicate_params`` was called on (the optimizer reads its registry).
+        lr: Muon's learning rate.
+        momentum: Muon's momentum coefficient, in [0, 1).
+        nesterov: use the Nesterov form of the momentum update.
+        ns_steps: Newton-Schulz iterations per step (0 skips orthogonalisation).
+        weight_decay: Muon's decoupled weight decay.
+        adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: AdamW's hyper-parameters for
+            every parameter that is not a dedicated matrix.
+        replicate_async: under HSDP, send the global owner's new master to its replicas
+            without waiting (drained at the next forward of its module, or by
+            ``dmuon.wait_all_replicate_broadcasts``); False waits inside ``step()``.
+    """
+
     def __init__(
         self,
         model: nn.Module,
