@@ -46,7 +46,8 @@ def install() -> None:
         raise FSDPPatchError(
             f"dmuon's fully_shard patch target {_TARGET_MODULE}.{_TARGET_NAME}(..., ignored_params) "
             f"is missing in torch {torch.__version__}; dedicated parameters would be sharded by "
-            "FSDP2. dmuon is tested with torch 2.13; pin a torch release whose fully_shard has it."
+            "FSDP2, so dedicate_params is disabled (the rest of dmuon works); install a torch release the "
+            "README lists as tested."
         )
     if getattr(original, "_dmuon_patched", False):
         return

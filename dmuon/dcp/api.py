@@ -12,7 +12,7 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
-from ..compat import set_element
+from .. import compat
 from ..optim.muon import Muon
 from .app_state import AppState
 from .async_checkpointer import pending_async_saves
@@ -88,7 +88,7 @@ def _extra_template(metadata: Metadata) -> dict:
             value = None
         else:  # pragma: no cover - future metadata kinds
             continue
-        set_element(template, path, value)
+        compat.set_element(template, path, value)
     return template.get(EXTRA_SECTION, {})
 
 

@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from ..compat import StorageInfo
+from .. import compat
 from .checksums import CHECKSUMS, HOT_SLICE, checksum_of
 from .errors import CheckpointCorruptError, CheckpointIncompleteError, CheckpointNotFoundError
 from .format import METADATA, RESERVED_KEY, is_manifest_name, rank_of_data_file
@@ -53,7 +53,7 @@ class CheckpointListing:
     manifest_file: str | None
     bytes_read: int = 0  # data bytes read so far (checksummed, every one)
 
-    def verify_item(self, name: str, info: StorageInfo, data: bytes, fqn: str) -> None:
+    def verify_item(self, name: str, info: Any, data: bytes, fqn: str) -> None:
         if len(data) != info.length:
             raise CheckpointCorruptError(
                 f"{self.store.url}/{name}: short read for {fqn} ({len(data)} of {info.length} bytes); "
@@ -154,7 +154,7 @@ class CheckpointListing:
             lo_byte, hi_byte = max(start, b_start), min(stop, b_stop)
             out[lo_byte - start : hi_byte - start] = memoryview(buffer)[lo_byte - b_start : hi_byte - b_start]
 
-    def _raise_mismatch(self, info: StorageInfo, fqn: str) -> None:
+    def _raise_mismatch(self, info: Any, fqn: str) -> None:
         raise CheckpointCorruptError(
             f"checksum mismatch in {self.store.url}/{info.relative_path} in the item at offset "
             f"{info.offset} ({fqn}): the data file is corrupted"
@@ -296,7 +296,7 @@ def _check_storage_ranges(files: dict[str, int], metadata: Metadata, manifest: M
     """Every referenced file exists, is named safely, and holds the referenced byte ranges."""
     checked: dict[str, tuple[int, FileStats | None]] = {}  # per data file: its size and manifest entry
     for index, info in metadata.storage_data.items():
-        if not isinstance(info, StorageInfo):
+        if not isinstance(info, compat.StorageInfo):
             raise CheckpointCorruptError(f"{where}: storage entry for {index.fqn} is not a file range")
         name = info.relative_path
         if name not in checked:

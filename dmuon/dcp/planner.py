@@ -38,8 +38,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import LoadPlan, ReadItem, SavePlan, WriteItem
 
-from .. import __version__
-from ..compat import set_element
+from .. import __version__, compat
 from ..dedicated_state_dict import dedicated_value_problem, find_dedicated
 from ..optim.muon import SCALAR_DTYPE, STATE_FIELDS, state_field_shape
 from ..topology import current_rank
@@ -387,7 +386,7 @@ class DMuonLoadPlanner(DefaultLoadPlanner):
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         # Non-tensor entries: plain data only, never arbitrary objects.
         obj = torch.load(value, weights_only=True)
-        set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        compat.set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
 
 
 __all__ = ["DMuonLoadPlanner", "DMuonSavePlanner", "merge_key_orders"]

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from ..compat import rebuild_tensor, storage_type_names
+from .. import compat
 
 __all__ = [
     "Placement",
@@ -85,7 +85,7 @@ class _TensorRef:
             stride.append(step)
             step *= max(size, 1)
         return (
-            rebuild_tensor,
+            compat.rebuild_tensor,
             (self.storage, 0, torch.Size(self.shape), tuple(reversed(stride)), False, collections.OrderedDict()),
         )
 
@@ -93,7 +93,7 @@ class _TensorRef:
 class _RefPickler(pickle.Pickler):
     def persistent_id(self, obj):
         if isinstance(obj, _StorageRef):
-            storage_type = getattr(torch, storage_type_names()[obj.dtype])
+            storage_type = getattr(torch, compat.storage_type_names()[obj.dtype])
             return ("storage", storage_type, obj.key, "cpu", obj.numel)
         return None
 

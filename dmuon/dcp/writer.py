@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from ..compat import CURRENT_DCP_VERSION, StorageInfo
+from .. import compat
 from ..topology import current_rank
 from .checksums import CHECKSUMS, HOT_SLICE, WRITE_CHECKSUM, checksum_of
 from .commit import commit, files_of_committed_saves
@@ -149,6 +149,7 @@ class DMuonStorageWriter(StorageWriter):
         sync_files: bool | None = None,
     ) -> None:
         super().__init__()
+        compat.require_all("StorageInfo", "CURRENT_DCP_VERSION", "rebuild_tensor", "storage_type_names")
         self.storage_options = storage_options
         self.overwrite = overwrite
         self.sync_files = sync_files
@@ -222,7 +223,9 @@ class DMuonStorageWriter(StorageWriter):
                 checksums[offset] = _write_item(stream, planner.resolve_data(item), frames)
                 length = checksums[offset].length
                 results.append(
-                    WriteResult(index=item.index, size_in_bytes=length, storage_data=StorageInfo(name, offset, length))
+                    WriteResult(
+                        index=item.index, size_in_bytes=length, storage_data=compat.StorageInfo(name, offset, length)
+                    )
                 )
         results.append(
             WriteResult(
@@ -245,7 +248,7 @@ class DMuonStorageWriter(StorageWriter):
                 else:
                     storage_data[result.index] = result.storage_data
         save_id = self.save_id or uuid.uuid4().hex[:16]
-        metadata.version = CURRENT_DCP_VERSION  # what torch's own writers record
+        metadata.version = compat.CURRENT_DCP_VERSION  # what torch's own writers record
         metadata.storage_data = storage_data
         metadata.storage_meta = StorageMeta(checkpoint_id=str(store.url), save_id=save_id)
         metadata_bytes = pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)

@@ -74,5 +74,67 @@ def test_torch_async_save_runs_on_a_thread_named_with_the_prefix(tmp_path):
 
 def test_compat_names_are_all_exercised():
     tested = {"StorageInfo", "DCP_ASYNC_THREAD_PREFIX", "CURRENT_DCP_VERSION", "set_element", "rebuild_tensor", "storage_type_names",
-              "FSDP_PATCH_MODULE", "FSDP_PATCH_TARGET", "state_dict_request", "StateDictRequest", "TorchCompatError"}
+              "FSDP_PATCH_MODULE", "FSDP_PATCH_TARGET", "state_dict_request", "StateDictRequest", "TorchCompatError",
+              "missing_features", "require_all"}
     assert set(compat.__all__) == tested
+
+
+# A torch that lacks the private names: a subprocess hides them from dmuon's import (and puts
+# them back for torch's own use), as a newer torch that renamed them would look to dmuon.
+_WITHOUT_PRIVATE_NAMES = r"""
+import sys
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint.filesystem as fs
+import torch.distributed.checkpoint.state_dict as sd
+
+hidden = {(fs, "_StorageInfo"): fs._StorageInfo, (sd, "_get_model_state_dict"): sd._get_model_state_dict}
+for (module, name) in hidden:
+    delattr(module, name)
+import dmuon, dmuon.dcp  # no ImportError
+from dmuon import compat
+for (module, name), value in hidden.items():
+    setattr(module, name, value)
+
+print("missing:", sorted(compat.missing_features()))
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+model = torch.nn.Linear(4, 4)
+optimizer = dmuon.Muon(model, lr=0.01)
+model(torch.ones(2, 4)).sum().backward()
+optimizer.step()  # training works
+print("plain state_dict:", sorted(model.state_dict()))
+
+class Probe(torch.nn.Linear):
+    def state_dict(self, *args, **kwargs):
+        compat.state_dict_request("model")
+        return super().state_dict(*args, **kwargs)
+
+for what, use in (("save", lambda: dmuon.dcp.save(model, optimizer, sys.argv[1])),
+                  ("get_model_state_dict", lambda: sd.get_model_state_dict(Probe(2, 2)))):
+    try:
+        use()
+    except Exception as exc:
+        print(f"{what}: {type(exc).__name__}: {exc}")
+    else:
+        print(f"{what}: no error")
+dist.destroy_process_group()
+"""
+
+
+def test_a_missing_private_name_disables_only_its_feature(tmp_path):
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _WITHOUT_PRIVATE_NAMES, str(tmp_path / "ckpt")],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    lines = dict(line.split(": ", 1) for line in done.stdout.splitlines())
+    assert "dmuon.dcp checkpoints" in lines["missing"] and "get_model_state_dict" in lines["missing"]
+    assert lines["plain state_dict"] == "['bias', 'weight']"
+    for what, feature, name in (("save", "dmuon.dcp checkpoints", "_StorageInfo"),
+                                ("get_model_state_dict", "dedicated parameters under torch's get_model_state_dict",
+                                 "_get_model_state_dict")):
+        assert feature in lines[what] and name in lines[what], lines[what]
+        assert f"torch {torch.__version__}" in lines[what], lines[what]
+    assert lines["save"].startswith("TorchCompatError: "), lines["save"]  # before anything is written
+    assert not (tmp_path / "ckpt").exists()
