@@ -2,8 +2,9 @@
 
 Each step is made durable: files are fsynced, small files are put atomically (written under a
 temporary name, then renamed, or linked for create-if-absent), and the directory is fsynced
-after a rename. Streamed files (data files, exports) on a local block-device filesystem are
-written with direct I/O, past the page cache (:class:`DirectFile`).
+after a rename. Streamed files (data files, exports) are written with direct I/O, past the
+page cache (:class:`DirectFile`), where that is faster in wall time on the filesystem at hand
+(measured once per filesystem, ``write_path.py``), else through the page cache.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import numpy
 
 from .format import temp_name
 from .store import RetryPolicy, checked_name
+from .write_path import choose_write_path
 
 __all__ = ["DIRECT_IO_FILESYSTEMS", "DirectFile", "LocalStore", "filesystem_type"]
 
@@ -41,7 +43,7 @@ class LocalStore:
 
     def __init__(self, root: str, sync_files: bool = True, direct_io: bool | None = None) -> None:
         """``direct_io``: write streamed files past the page cache; ``None`` (the default)
-        does it where the filesystem is one of :data:`DIRECT_IO_FILESYSTEMS`, ``False``
+        does it where a probe of the filesystem found it faster (``write_path.py``), ``False``
         never, ``True`` always (an error where the filesystem refuses it)."""
         self.root = os.path.abspath(root)
         self.url = self.root
@@ -52,7 +54,8 @@ class LocalStore:
     def _use_direct_io(self) -> bool:
         if self._direct is None:
             if self.direct_io is None:
-                self._direct = bool(_O_DIRECT) and filesystem_type(self.root) in DIRECT_IO_FILESYSTEMS
+                plain = bool(_O_DIRECT) and filesystem_type(self.root) in DIRECT_IO_FILESYSTEMS
+                self._direct = choose_write_path(self.root, DirectFile if plain else None).direct
             elif self.direct_io and not _O_DIRECT:
                 raise ValueError(f"direct_io=True for {self.root}, but this platform has no O_DIRECT")
             else:
@@ -162,8 +165,8 @@ class LocalStore:
 # direct I/O: large files written from an aligned staging buffer, past the page cache
 # ---------------------------------------------------------------------------------------------
 # Filesystems on a block device whose O_DIRECT is plain (no network or cluster semantics, no
-# data checksums that a buffer could race with). Elsewhere (tmpfs, NFS, Lustre, btrfs, ...)
-# files are written through the page cache.
+# data checksums that a buffer could race with): there the probe of write_path.py decides.
+# Elsewhere (tmpfs, NFS, Lustre, btrfs, ...) files are written through the page cache.
 DIRECT_IO_FILESYSTEMS = frozenset({"ext4", "xfs"})
 DIRECT_IO_ALIGN = 4096  # offset, length and address alignment O_DIRECT needs (>= logical block size)
 STAGING_BYTES = 8 << 20  # per staging buffer; two per open file

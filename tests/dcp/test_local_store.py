@@ -1,5 +1,6 @@
 """Local directories: direct I/O for streamed files, where it is used and what it writes."""
 import errno
+import logging
 import os
 import subprocess
 import sys
@@ -8,6 +9,7 @@ import textwrap
 import numpy
 import pytest
 
+from dmuon.dcp import write_path
 from dmuon.dcp.local_store import (
     BORROW_MIN_BYTES,
     DIRECT_IO_ALIGN,
@@ -135,14 +137,24 @@ def test_borrowed_memory_in_flight_is_bounded(tmp_path):
     assert (tmp_path / "f").read_bytes() == expected
 
 
-def test_store_writes_streamed_files_direct_where_the_filesystem_allows(tmp_path):
+def test_store_writes_streamed_files_the_way_the_probe_chose(tmp_path, caplog):
     kind = filesystem_type(str(tmp_path))
+    write_path.forget_choices()
     store = LocalStore(str(tmp_path / "ckpt"))
     store.makedirs()
     data = os.urandom(STAGING_BYTES + 999)
-    with store.open_write("data") as f:
-        assert isinstance(f, DirectFile) == (kind in DIRECT_IO_FILESYSTEMS), kind
-        f.write(data)
+    with caplog.at_level(logging.INFO, logger="dmuon.dcp.write_path"):
+        with store.open_write("data") as f:
+            f.write(data)
+    [choice] = write_path.known_choices().values()
+    assert isinstance(f, DirectFile) == choice.direct
+    if kind in DIRECT_IO_FILESYSTEMS:  # measured: both ways timed, the log line says so
+        assert choice.buffered_s is not None and choice.direct_s is not None
+        assert choice.direct == (choice.direct_s <= write_path.DIRECT_MARGIN * choice.buffered_s)
+        assert "ms buffered" in caplog.text and "ms direct" in caplog.text
+    else:
+        assert not choice.direct and choice.direct_s is None
+    assert not [name for name in os.listdir(tmp_path / "ckpt") if "probe" in name]  # the probe cleaned up
     store.put("small", b"manifest")  # small files: always through the page cache
     assert store.read("data") == data and store.read("small") == b"manifest"
     assert sorted(store.list()) == ["data", "small"]
@@ -215,3 +227,17 @@ def test_a_failed_background_write_is_raised_and_the_file_removed(tmp_path, meth
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "raised", done.stdout + done.stderr
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_an_explicit_direct_io_option_wins_over_the_probe(tmp_path, direct):
+    if direct and filesystem_type(str(tmp_path)) not in DIRECT_IO_FILESYSTEMS:
+        pytest.skip("no direct I/O here")
+    write_path.forget_choices()
+    store = open_store(str(tmp_path / "ckpt"), {LOCAL_DIRECT_IO_OPTION: direct})
+    store.makedirs()
+    with store.open_write("data") as f:
+        assert isinstance(f, DirectFile) == direct
+        f.write(b"x" * 5000)
+    assert write_path.known_choices() == {}  # no probe ran
+    assert store.read("data") == b"x" * 5000

@@ -8,6 +8,7 @@ import torch.distributed.checkpoint as dcp
 import dmuon.dcp as ddcp
 from dmuon.dcp.checkpoint import open_checkpoint
 from dmuon.dcp.local_store import BORROW_MIN_BYTES, DIRECT_IO_ALIGN, DIRECT_IO_FILESYSTEMS, filesystem_type
+from dmuon.dcp.store import LOCAL_DIRECT_IO_OPTION
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # one process, on purpose
 
@@ -31,10 +32,11 @@ def test_large_tensors_lie_in_the_file_as_they_lie_in_memory_and_load_everywhere
     still loads with dmuon's reader, with torch's own reader, and verifies."""
     if filesystem_type(str(tmp_path)) not in DIRECT_IO_FILESYSTEMS:
         pytest.skip("no direct I/O here: tensors are copied, not lined up")
+    direct = {LOCAL_DIRECT_IO_OPTION: True}  # the default is measured: ask for direct I/O
     saved = _tensors()
     addresses = {key: t.data_ptr() for key, t in saved.items() if isinstance(t, torch.Tensor)}
     path = str(tmp_path / "ckpt")
-    dcp.save(saved, storage_writer=ddcp.DMuonStorageWriter(path))
+    dcp.save(saved, storage_writer=ddcp.DMuonStorageWriter(path, storage_options=direct))
 
     listing = open_checkpoint(path)
     lined_up = []
@@ -65,7 +67,8 @@ def test_a_lined_up_item_is_a_torch_save_file_of_its_tensor(tmp_path):
         pytest.skip("no direct I/O here")
     saved = {"big": torch.randn(512, 1024)}
     path = tmp_path / "ckpt"
-    dcp.save(saved, storage_writer=ddcp.DMuonStorageWriter(str(path)))
+    direct = {LOCAL_DIRECT_IO_OPTION: True}
+    dcp.save(saved, storage_writer=ddcp.DMuonStorageWriter(str(path), storage_options=direct))
     listing = open_checkpoint(str(path))
     ((_, info),) = listing.metadata.storage_data.items()
     payload = (path / info.relative_path).read_bytes()[info.offset : info.offset + info.length]
