@@ -156,7 +156,7 @@ class DedicatedParam:
         )
         if async_op:
             self._replicate_work = work
-        else:
+        elif work is not None:  # always, with async_op=True (torch 2.14's stubs say Work | None)
             work.wait()
 
     def wait_replicate(self) -> None:

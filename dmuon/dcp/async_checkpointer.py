@@ -23,6 +23,7 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import time
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -122,7 +123,8 @@ class AsyncCheckpointer:
 
     def _process_group(self) -> dist.ProcessGroup | None:
         if self._group is None and dist.is_initialized():
-            self._group = dist.new_group(backend="gloo")
+            # every rank is a member, so never GroupMember.NON_GROUP_MEMBER (in torch 2.14's stubs)
+            self._group = cast(dist.ProcessGroup, dist.new_group(backend="gloo"))
         return self._group
 
     def raise_pending_failure(self) -> None:
