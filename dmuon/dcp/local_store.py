@@ -55,7 +55,7 @@ class LocalStore:
         if self._direct is None:
             if self.direct_io is None:
                 plain = bool(_O_DIRECT) and filesystem_type(self.root) in DIRECT_IO_FILESYSTEMS
-                self._direct = choose_write_path(self.root, DirectFile if plain else None).direct
+                self._direct = choose_write_path(self.root, plain).direct
             elif self.direct_io and not _O_DIRECT:
                 raise ValueError(f"direct_io=True for {self.root}, but this platform has no O_DIRECT")
             else:

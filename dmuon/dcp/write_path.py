@@ -26,13 +26,12 @@ from __future__ import annotations
 import contextlib
 import errno
 import logging
+import mmap
 import os
 import threading
 import time
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import numpy
 
@@ -42,7 +41,8 @@ log = logging.getLogger(__name__)
 
 PROBE_BYTES = 32 << 20
 DIRECT_MARGIN = 0.85
-_CHUNK = 8 << 20
+_CHUNK = 1 << 20  # page-aligned (mmap): what O_DIRECT needs of memory
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
 _PROBE_PREFIX = ".dmuon-write-probe-"
 
 
@@ -83,38 +83,43 @@ def forget_choices() -> None:
         _choices.clear()
 
 
-def choose_write_path(root: str, open_direct: Callable[[str], Any] | None) -> WritePathChoice:
+def choose_write_path(root: str, direct_possible: bool) -> WritePathChoice:
     """Direct or buffered for streamed files under the existing directory ``root``.
 
-    ``open_direct(path)`` opens a file for direct writes (None: direct I/O is not an option here).
+    ``direct_possible``: whether direct I/O is an option here at all (a plain ``O_DIRECT``).
     One probe per filesystem per process; concurrent callers wait for it.
     """
     device = os.stat(root).st_dev
     with _lock:
         known = _choices.get(device)
         if known is None:
-            known = _probe(root, open_direct)
+            known = _probe(root) if direct_possible else _NOT_AN_OPTION
             _choices[device] = known
             log.info("%s: %s", root, known.describe())
     return known
 
 
-def _probe(root: str, open_direct: Callable[[str], Any] | None) -> WritePathChoice:
-    if open_direct is None:
-        return WritePathChoice(False, None, None, "direct I/O is not an option on this filesystem")
-    data = memoryview(numpy.random.default_rng(0).integers(0, 256, _CHUNK, dtype=numpy.uint8).tobytes())
+_NOT_AN_OPTION = WritePathChoice(False, None, None, "direct I/O is not an option on this filesystem")
+
+
+def _probe(root: str) -> WritePathChoice:
+    """Both ways from one page-aligned 1 MiB buffer (the memory a probe may take: a save's
+    peak memory is bounded, and the probe runs inside the first save)."""
+    chunk = mmap.mmap(-1, _CHUNK)
+    chunk.write(numpy.random.default_rng(0).integers(0, 256, _CHUNK, dtype=numpy.uint8).data)
     path = os.path.join(root, f"{_PROBE_PREFIX}{uuid.uuid4().hex}")
     timings: dict[bool, list[float]] = {False: [], True: []}
     try:
         for _ in range(2):
             for direct in (False, True):
                 try:
-                    timings[direct].append(_timed_write(path, data, open_direct if direct else None))
+                    timings[direct].append(_timed_write(path, memoryview(chunk), direct))
                 except OSError as error:
                     if direct and error.errno == errno.EINVAL:
                         return WritePathChoice(False, None, None, "the filesystem refuses O_DIRECT")
                     raise
     finally:
+        chunk.close()
         with contextlib.suppress(OSError):
             os.remove(path)
     buffered_s, direct_s = min(timings[False]), min(timings[True])
@@ -123,14 +128,14 @@ def _probe(root: str, open_direct: Callable[[str], Any] | None) -> WritePathChoi
     return WritePathChoice(False, buffered_s, direct_s, f"direct did not beat {DIRECT_MARGIN:.0%} of buffered")
 
 
-def _timed_write(path: str, chunk: memoryview, open_direct: Callable[[str], Any] | None) -> float:
+def _timed_write(path: str, chunk: memoryview, direct: bool) -> float:
     start = time.perf_counter()
-    f = open_direct(path) if open_direct is not None else open(path, "wb")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (_O_DIRECT if direct else 0), 0o644)
     try:
-        for _ in range(PROBE_BYTES // chunk.nbytes):
-            f.write(chunk)
-        f.flush()
-        os.fsync(f.fileno())
+        for index in range(PROBE_BYTES // chunk.nbytes):
+            os.pwrite(fd, chunk, index * chunk.nbytes)
+        os.fsync(fd)
     finally:
-        f.close()
+        os.close(fd)
+        chunk.release()
     return time.perf_counter() - start
