@@ -27,6 +27,7 @@ from .checksums import CHECKSUMS, HOT_SLICE, WRITE_CHECKSUM, checksum_of
 from .commit import commit, files_of_committed_saves
 from .errors import CheckpointExistsError
 from .format import METADATA, data_file_name
+from .host_staging import HostStaging
 from .manifest import FileStats, ItemChecksums, Manifest, block_size_for
 from .store import BorrowingStream, Store, open_store, retrying
 from .torch_file import SLICE, Placement, TensorFrames, write_tensor_payload
@@ -72,17 +73,20 @@ class _ChecksummingStream:
         self.pos += view.nbytes
         return view.nbytes
 
-    def write_blocks(self, view: memoryview, block: int) -> None:
+    def write_blocks(self, view: memoryview, block: int, lend: bool = True) -> None:
         """Write ``view`` with one segment (checksum) per ``block`` bytes of it: the checksum
         granularity a partial read needs. A stream that copies (page cache, upload buffers)
         gets slices of :data:`HOT_SLICE`, each checksummed right after its copy, from the CPU
-        cache; a borrowing one gets large slices it can write in place."""
+        cache; a borrowing one gets large slices it can write in place, unless ``lend`` is
+        False (the memory is reused right after this call: a staging buffer)."""
         self.cut()
-        step = max((SLICE if self._borrowing is not None else HOT_SLICE) // block, 1) * block
+        borrowing = self._borrowing is not None and lend
+        step = max((SLICE if borrowing else HOT_SLICE) // block, 1) * block
+        write = self._lend if borrowing else self.raw.write
         of = self.kind.of
         for start in range(0, view.nbytes, step):
             piece = view[start : start + step]
-            self._lend(piece)  # (a device may start on it while it is checksummed)
+            write(piece)  # (a device may start on it while it is checksummed)
             self.checksums += [of(piece[offset : offset + block]) for offset in range(0, piece.nbytes, block)]
             self.pos += piece.nbytes
         self._segment_start = self.pos
@@ -100,9 +104,10 @@ class _ChecksummingStream:
         return self.pos
 
 
-def _write_item(stream: _ChecksummingStream, data, frames: TensorFrames) -> ItemChecksums:
+def _write_item(stream: _ChecksummingStream, data, frames: TensorFrames, lend: bool = True) -> ItemChecksums:
     """One item at the stream's position; its segments' checksums, as the manifest keeps them.
-    ``frames``: the zip framing already built for the tensors of this file."""
+    ``frames``: the zip framing already built for the tensors of this file. ``lend=False``:
+    the tensor's memory is reused after this call, so it is never written from in place."""
     start, first = stream.tell(), len(stream.checksums)
     if isinstance(data, io.BytesIO):
         stream.write(data.getbuffer())
@@ -115,10 +120,11 @@ def _write_item(stream: _ChecksummingStream, data, frames: TensorFrames) -> Item
     def write_data(view: memoryview) -> None:
         stream.cut()
         marks.append(stream.tell())
-        stream.write_blocks(view, block)
+        stream.write_blocks(view, block, lend)
         marks.append(stream.tell())
 
-    write_tensor_payload(stream, tensor, write_data=write_data, frames=frames, place=stream.placement(tensor))
+    place = stream.placement(tensor) if lend else None
+    write_tensor_payload(stream, tensor, write_data=write_data, frames=frames, place=place)
     stream.cut()
     end = stream.tell()
     return ItemChecksums(end - start, marks[0] - start, block, end - marks[-1], stream.checksums[first:])
@@ -137,8 +143,12 @@ class DMuonStorageWriter(StorageWriter):
 
     ``overwrite=False`` refuses a path that holds a committed checkpoint; ``True`` replaces it
     atomically at commit. ``sync_files`` defaults to fsync on local disks, never on object
-    stores.
+    stores. Accelerator tensors reach the file through :class:`~.host_staging.HostStaging`
+    (a few reusable pinned buffers, each copy overlapped with the write of the item before).
     """
+
+    #: Run CPU tensors through the staging buffers too (tests of the accelerator path on CPU).
+    stage_host_tensors = False
 
     def __init__(
         self,
@@ -216,11 +226,12 @@ class DMuonStorageWriter(StorageWriter):
         frames = TensorFrames()
         # bytes first (small), then tensors in plan order
         items = sorted(items, key=lambda item: item.type != WriteItemType.BYTE_IO)
+        staging: HostStaging = HostStaging(stage_host_tensors=self.stage_host_tensors)
         with self._store().open_write(name) as raw:
             stream = _ChecksummingStream(raw, WRITE_CHECKSUM)
-            for item in items:
+            for item, staged in staging.items((item, planner.resolve_data(item)) for item in items):
                 offset = stream.tell()
-                checksums[offset] = _write_item(stream, planner.resolve_data(item), frames)
+                checksums[offset] = _write_item(stream, staged.data, frames, lend=not staged.reused)
                 length = checksums[offset].length
                 results.append(
                     WriteResult(
