@@ -3,14 +3,18 @@
 # with its own .venv, through the README's own scripts:
 #   - Debian's system python3 (3.11.2 on this machine kind: the Python whose pickles differ) as
 #     a non-root user: the demo, then the checkpoint save/load tests;
-#   - the lowest and the highest claimed Python (3.10, 3.13; pyenv's or on PATH): the same tests.
+#   - the lowest and the highest claimed Python (3.10, 3.13; pyenv's or on PATH): the same tests;
+#   - torch-2.14.1: the second tested torch release (a ~5.5 GB CUDA build, run on the CPU) on
+#     Python 3.11 (the only Python its wheel is on this machine for), installed by setup.sh
+#     through DMUON_TORCH: every test module that touches torch internals (TORCH_TESTS).
 # A Python that is not on the machine is reported and skipped; DMUON_REQUIRE_ALL_PYTHONS=1 makes
-# that an error. Usage: scripts/ci-pythons.sh [leg ...]  (legs: system, 3.10, 3.13; default all)
+# that an error. Usage: scripts/ci-pythons.sh [leg ...]
+# (legs: system, 3.10, 3.13, torch-2.14.1; default all)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 repo=$PWD
 legs=("$@")
-[ ${#legs[@]} -gt 0 ] || legs=(system 3.10 3.13)
+[ ${#legs[@]} -gt 0 ] || legs=(system 3.10 3.13 torch-2.14.1)
 
 # What a Python's checkpoints touch: the runtime, every save and load entry point, resume,
 # the manager, the end of a job with a save in flight, the metadata allow-list and the
@@ -22,9 +26,22 @@ TESTS=(
     tests/dcp/test_async_exit.py
     -k "not s3 and not rgw and not gcs"
 )
+# What a torch release's private names touch (dmuon/compat.py, fsdp_patch.py, exit_guard.py):
+# the runtime and its state-dict hooks, every entry point, async saves and their exit guard,
+# torch's own readers and writers, resume, the fixtures, the plan cache, torchtitan.
+TORCH_TESTS=(
+    tests/core
+    tests/dcp/test_entry_points.py tests/dcp/test_async.py tests/dcp/test_async_exit.py
+    tests/dcp/test_torch_compat.py tests/dcp/test_resume.py tests/dcp/test_format_compat.py
+    tests/dcp/test_plan_cache.py tests/integrations
+)
 USER_NAME=dmuon-ci
 
-find_python() {  # $1: "system" or a version such as 3.10; prints nothing if none runs
+find_python() {  # $1: "system", a version such as 3.10, or torch-X; prints nothing if none runs
+    if [ "${1#torch-}" != "$1" ]; then
+        find_python 3.11
+        return 0
+    fi
     if [ "$1" = system ]; then
         [ -x /usr/bin/python3 ] && echo /usr/bin/python3
         return 0
@@ -68,6 +85,10 @@ run_leg() {  # $1: leg name
         # DMUON_REQUIRE_ALL_STORES is left out: Ceph's packages need root, which this leg is not.
         as_user env -u DMUON_REQUIRE_ALL_STORES DMUON_PYTHON="$python" bash "$clone/dmuon/scripts/demo.sh" --steps 20 --save-every 5 --crash-at 12
         as_user env -u DMUON_REQUIRE_ALL_STORES DMUON_PYTHON="$python" bash "$clone/dmuon/scripts/test.sh" -p no:cacheprovider "${TESTS[@]}"
+    elif [ "${1#torch-}" != "$1" ]; then
+        DMUON_TORCH="torch==${1#torch-}" DMUON_PYTHON="$python" bash "$clone/dmuon/scripts/test.sh" -p no:cacheprovider "${TORCH_TESTS[@]}"
+        "$clone/dmuon/.venv/bin/python" -c "import sys, torch; sys.exit(torch.__version__.split('+')[0] != '${1#torch-}')" \
+            || { echo "ci-pythons: leg $1 did not run on torch ${1#torch-}" >&2; return 1; }
     else
         DMUON_PYTHON="$python" bash "$clone/dmuon/scripts/test.sh" -p no:cacheprovider "${TESTS[@]}"
     fi
