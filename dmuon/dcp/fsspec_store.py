@@ -223,11 +223,23 @@ class FsspecStore:
             entries = self.fs.ls(self.root, detail=True)
         except FileNotFoundError:
             return []
-        return [e["name"].rstrip("/").rsplit("/", 1)[-1] for e in entries if e.get("type") == "directory"]
+        root = self.root.rstrip("/")
+        return [
+            e["name"].rstrip("/").rsplit("/", 1)[-1]
+            for e in entries
+            if e.get("type") == "directory" and e["name"].rstrip("/") != root  # (an empty root lists itself)
+        ]
 
     def remove_tree(self) -> None:
         with contextlib.suppress(FileNotFoundError):
             self.fs.rm(self.root, recursive=True)
+        if self.parallel_s3:
+            # Some S3 servers (SeaweedFS) keep a prefix whose objects are gone as an empty
+            # directory that listings still show: delete its marker too (a no-op elsewhere).
+            bucket, key, _ = self.fs.split_path(self.root)
+            with contextlib.suppress(FileNotFoundError):
+                self.fs.call_s3("delete_object", Bucket=bucket, Key=key.rstrip("/") + "/")
+            self.fs.invalidate_cache(self.root)
 
 
 def _is_precondition_failure(exc: BaseException) -> bool:
