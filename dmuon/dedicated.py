@@ -175,12 +175,16 @@ class HookSite:
 
     Pre-forward: unshard (broadcast from the owner). Post-forward: reshard when
     ``reshard_after_forward`` (or without grad), and a hook on the outputs unshards again
-    before this module's backward.
+    before this module's backward. ``fsdp_unit``: the site of a ``fully_shard`` module, which
+    an outer ``fully_shard`` leaves where it is (as FSDP2 leaves inner units' parameters).
     """
 
-    def __init__(self, module: nn.Module, recs: list[DedicatedParam], reshard_after_forward: bool) -> None:
+    def __init__(
+        self, module: nn.Module, recs: list[DedicatedParam], reshard_after_forward: bool, fsdp_unit: bool = False
+    ) -> None:
         self.module = module
         self.recs = recs
+        self.fsdp_unit = fsdp_unit
 
         def unshard_all() -> None:
             for rec in recs:
@@ -238,20 +242,21 @@ class DedicatedRegistry:
             self._aliases = {alias: rec for rec in self for alias in rec.aliases}
         return self._aliases
 
-    def add_site(self, module: nn.Module, recs: list[DedicatedParam]) -> None:
-        self.sites.append(HookSite(module, recs, self.reshard_after_forward))
+    def add_site(self, module: nn.Module, recs: list[DedicatedParam], fsdp_unit: bool = False) -> None:
+        self.sites.append(HookSite(module, recs, self.reshard_after_forward, fsdp_unit))
 
     def gather_hooks(self, module: nn.Module) -> None:
-        """Move the hooks of every dedicated parameter under ``module`` onto ``module``
-        (``fully_shard(module)`` is being applied: FSDP2 moves its parameters there too)."""
+        """Move the hooks of the dedicated parameters under ``module`` onto ``module``
+        (``fully_shard(module)`` is being applied: FSDP2 moves its parameters there too),
+        except those an inner ``fully_shard`` module already holds."""
         below = {id(m) for m in module.modules()}
-        gathered = [site for site in self.sites if id(site.module) in below]
-        if not gathered or [site.module for site in gathered] == [module]:
+        gathered = [site for site in self.sites if id(site.module) in below and not site.fsdp_unit]
+        if not gathered:
             return
         for site in gathered:
             site.remove()
-        self.sites = [site for site in self.sites if id(site.module) not in below]
-        self.add_site(module, [rec for site in gathered for rec in site.recs])
+        self.sites = [site for site in self.sites if site not in gathered]
+        self.add_site(module, [rec for site in gathered for rec in site.recs], fsdp_unit=True)
 
     def wait_all(self) -> None:
         for rec in self:

@@ -155,3 +155,33 @@ def test_the_docs_compile_example_runs_as_written():
     assert got["graphs"][0] > 0 and got["graphs"][-1] == got["graphs"][0], got["graphs"]
     for got_loss, want in zip(got["losses"], eager["losses"]):
         assert abs(got_loss - want) <= 1e-4 * abs(want), (got["losses"], eager["losses"])
+
+
+def sites_worker(rank, world):
+    from torch.distributed.fsdp import fully_shard
+
+    from tests.helpers.models import OddShapes
+
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    mesh = make_mesh()
+    dmuon.dedicate_params(model, mesh, proj_predicate)
+    before = sorted(type(site.module).__name__ for site in model._dmuon_registry.sites)
+    for block in model.layers:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    after = [(type(site.module).__name__, len(site.recs)) for site in model._dmuon_registry.sites]
+    odd = OddShapes()  # dedicated weights outside any inner unit go to the root's unit
+    dmuon.dedicate_params(odd, mesh, lambda n, p: n in ("mid.weight", "out.weight"))
+    fully_shard(odd, mesh=mesh)
+    odd_sites = [(type(site.module).__name__, len(site.recs)) for site in odd._dmuon_registry.sites]
+    return before, after, odd_sites
+
+
+def test_each_fully_shard_unit_moves_its_own_dedicated_weights():
+    """A block's dedicated weights unshard at that block (FSDP2's granularity), never all at
+    the root: an outer fully_shard leaves inner units' hooks where they are."""
+    before, after, odd_sites = run_ranks(sites_worker, 2)[0]
+    assert before == ["Linear"] * 12  # 6 projections per block, each on its own Linear first
+    assert after == [("FSDPBlock", 6), ("FSDPBlock", 6)]  # fully_shard swaps in a subclass
+    assert odd_sites == [("FSDPOddShapes", 2)]
