@@ -33,15 +33,13 @@ import time
 import uuid
 from dataclasses import dataclass
 
-import numpy
-
 __all__ = ["DIRECT_MARGIN", "PROBE_BYTES", "WritePathChoice", "choose_write_path", "forget_choices", "known_choices"]
 
 log = logging.getLogger(__name__)
 
 PROBE_BYTES = 32 << 20
 DIRECT_MARGIN = 0.85
-_CHUNK = 1 << 20  # page-aligned (mmap): what O_DIRECT needs of memory
+_CHUNK = 256 << 10  # page-aligned (mmap): what O_DIRECT needs of memory
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 _PROBE_PREFIX = ".dmuon-write-probe-"
 
@@ -103,10 +101,10 @@ _NOT_AN_OPTION = WritePathChoice(False, None, None, "direct I/O is not an option
 
 
 def _probe(root: str) -> WritePathChoice:
-    """Both ways from one page-aligned 1 MiB buffer (the memory a probe may take: a save's
-    peak memory is bounded, and the probe runs inside the first save)."""
+    """Both ways from one page-aligned 256 KiB buffer (about all the memory a probe may take:
+    it runs inside the first save, whose peak memory is bounded)."""
     chunk = mmap.mmap(-1, _CHUNK)
-    chunk.write(numpy.random.default_rng(0).integers(0, 256, _CHUNK, dtype=numpy.uint8).data)
+    chunk.write(os.urandom(_CHUNK))  # (incompressible, whatever the filesystem does with zeros)
     path = os.path.join(root, f"{_PROBE_PREFIX}{uuid.uuid4().hex}")
     timings: dict[bool, list[float]] = {False: [], True: []}
     try:
