@@ -14,13 +14,27 @@ import time
 from collections.abc import Callable
 
 
+def _is_call_of(frame, qualname: str) -> bool:
+    own = getattr(frame.f_code, "co_qualname", None)
+    if own is not None:
+        return own == qualname
+    # Python 3.10 has no co_qualname: the function's name, and for a method the class of its self
+    owner, _, name = qualname.rpartition(".")
+    if frame.f_code.co_name != name:
+        return False
+    if not owner:
+        return True
+    instance = frame.f_locals.get("self")
+    return instance is not None and any(cls.__qualname__ == owner for cls in type(instance).__mro__)
+
+
 def on_call(qualname: str, action: Callable[[], None], nth: int = 1) -> None:
     count = 0
     lock = threading.Lock()
 
     def hook(frame, event, arg):
         nonlocal count
-        if event == "call" and frame.f_code.co_qualname == qualname:
+        if event == "call" and _is_call_of(frame, qualname):
             with lock:
                 count += 1
                 fire = count == nth
