@@ -18,7 +18,7 @@ from .app_state import AppState
 from .async_checkpointer import pending_async_saves
 from .checkpoint import open_checkpoint
 from .errors import from_checkpoint_exception
-from .format import EXTRA_SECTION
+from .format.layout import EXTRA_SECTION
 from .gc_pause import paused_gc
 from .plan_cache import SavePlanCache
 from .planner import DMuonLoadPlanner, DMuonSavePlanner

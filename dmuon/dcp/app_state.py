@@ -22,7 +22,7 @@ from ..dedicated import DedicatedParam, get_registry
 from ..dedicated_state_dict import raw_state_dict
 from ..optim.muon import ADAMW_GROUP, SCALAR_DTYPE, Muon, state_field_shape
 from ..state_dict import hyperparameters, restore_hyperparameters, state_fields
-from .format import EXTRA_SECTION, MODEL_SECTION, OPTIM_SECTION, RESERVED_KEY
+from .format.layout import EXTRA_SECTION, MODEL_SECTION, OPTIM_SECTION, RESERVED_KEY
 
 __all__ = ["AppState", "DedicatedEntry", "DedicatedLayout", "model_state", "optimizer_state"]
 

@@ -28,13 +28,13 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from .. import compat
-from .checksums import CHECKSUMS, HOT_SLICE, checksum_of
 from .errors import CheckpointCorruptError, CheckpointIncompleteError, CheckpointNotFoundError
-from .format import METADATA, RESERVED_KEY, is_manifest_name, rank_of_data_file
-from .manifest import V1_CHECKSUM, FileStats, ItemChecksums, Manifest, decode_manifest
-from .safe_metadata import load_metadata_bytes
-from .store import Store, checked_name, open_store
-from .torch_file import tensor_from_payload
+from .format.checksums import CHECKSUMS, HOT_SLICE, checksum_of
+from .format.layout import METADATA, RESERVED_KEY, is_manifest_name, rank_of_data_file
+from .format.manifest import V1_CHECKSUM, FileStats, ItemChecksums, Manifest, decode_manifest
+from .format.safe_metadata import load_metadata_bytes
+from .format.torch_file import tensor_from_payload
+from .storage.base import Store, checked_name, open_store
 
 __all__ = ["CheckpointListing", "inspect", "open_checkpoint", "verify"]
 

@@ -9,7 +9,7 @@ import sys
 from .checkpoint import inspect, open_checkpoint
 from .errors import CheckpointError
 from .export import release_freed_memory_promptly
-from .store import exception_chain, storage_options_from_pairs
+from .storage.base import exception_chain, storage_options_from_pairs
 
 __all__ = ["main"]
 

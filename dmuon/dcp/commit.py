@@ -19,9 +19,9 @@ import logging
 import time
 
 from .errors import CheckpointCorruptError, CheckpointExistsError
-from .format import METADATA, is_dmuon_file, is_manifest_name, manifest_name
-from .manifest import Manifest, decode_manifest, encode_manifest
-from .store import Store, retrying
+from .format.layout import METADATA, is_dmuon_file, is_manifest_name, manifest_name
+from .format.manifest import Manifest, decode_manifest, encode_manifest
+from .storage.base import Store, retrying
 
 __all__ = ["STALE_AFTER_S", "collect_garbage", "commit", "files_of_committed_saves"]
 

@@ -25,10 +25,10 @@ import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 
 from .checkpoint import CheckpointListing, open_checkpoint
-from .format import HF_INDEX_FILE, HF_SINGLE_FILE, MODEL_PREFIX, hf_shard_name
+from .format.layout import HF_INDEX_FILE, HF_SINGLE_FILE, MODEL_PREFIX, hf_shard_name
+from .format.torch_file import SLICE, TorchFileWriter, pickled_tensors, tensor_memory, write_postamble, write_preamble
 from .hf import SAFETENSORS_DTYPES
-from .store import Store, is_remote, open_store
-from .torch_file import SLICE, TorchFileWriter, pickled_tensors, tensor_memory, write_postamble, write_preamble
+from .storage.base import Store, is_remote, open_store
 
 __all__ = [
     "ExportEntry",

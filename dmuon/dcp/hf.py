@@ -16,8 +16,8 @@ import torch
 from torch import nn
 
 from ..state_dict import StateDictError, check_fits, write_full_state
-from .format import HF_INDEX_FILE, HF_SINGLE_FILE, METADATA
-from .store import checked_name, open_store
+from .format.layout import HF_INDEX_FILE, HF_SINGLE_FILE, METADATA
+from .storage.base import checked_name, open_store
 
 __all__ = [
     "DTYPE_OF",

@@ -18,9 +18,9 @@ from .errors import (
     NoLoadableCheckpointError,
     UnsafeCheckpointError,
 )
-from .format import METADATA
+from .format.layout import METADATA
 from .plan_cache import SavePlanCache
-from .store import open_store, remove_checkpoint
+from .storage.base import open_store, remove_checkpoint
 
 __all__ = ["CheckpointManager"]
 

@@ -44,7 +44,7 @@ from ..optim.muon import SCALAR_DTYPE, STATE_FIELDS, state_field_shape
 from ..topology import current_rank
 from .app_state import DedicatedEntry, DedicatedLayout
 from .errors import CheckpointMismatchError, SaveRefusedError
-from .format import FORMAT_VERSION, MODEL_PREFIX, MODEL_SECTION, OPTIM_SECTION, RESERVED_KEY
+from .format.layout import FORMAT_VERSION, MODEL_PREFIX, MODEL_SECTION, OPTIM_SECTION, RESERVED_KEY
 from .plan_cache import SavePlanCache
 
 log = logging.getLogger(__name__)

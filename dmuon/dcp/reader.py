@@ -21,9 +21,9 @@ from torch.futures import Future
 
 from .checkpoint import CheckpointListing, open_checkpoint
 from .errors import CheckpointCorruptError
-from .manifest import ItemChecksums
-from .store import checked_name, retrying
-from .torch_file import tensor_memory
+from .format.manifest import ItemChecksums
+from .format.torch_file import tensor_memory
+from .storage.base import checked_name, retrying
 
 __all__ = ["DMuonStorageReader", "narrow_to"]
 

@@ -23,14 +23,14 @@ from torch.futures import Future
 
 from .. import compat
 from ..topology import current_rank
-from .checksums import CHECKSUMS, HOT_SLICE, WRITE_CHECKSUM, checksum_of
 from .commit import commit, files_of_committed_saves
 from .errors import CheckpointExistsError
-from .format import METADATA, data_file_name
+from .format.checksums import CHECKSUMS, HOT_SLICE, WRITE_CHECKSUM, checksum_of
+from .format.layout import METADATA, data_file_name
+from .format.manifest import FileStats, ItemChecksums, Manifest, block_size_for
+from .format.torch_file import SLICE, Placement, TensorFrames, write_tensor_payload
 from .host_staging import HostStaging
-from .manifest import FileStats, ItemChecksums, Manifest, block_size_for
-from .store import BorrowingStream, Store, open_store, retrying
-from .torch_file import SLICE, Placement, TensorFrames, write_tensor_payload
+from .storage.base import BorrowingStream, Store, open_store, retrying
 
 __all__ = ["DMuonStorageWriter"]
 

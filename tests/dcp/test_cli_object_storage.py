@@ -26,7 +26,7 @@ from safetensors.torch import load_file
 import dmuon
 import dmuon.dcp as ddcp
 from dmuon.dcp.export import resolve_output_options
-from dmuon.dcp.fsspec_store import S3_REQUEST_RETRIES, _bounded_s3_retries
+from dmuon.dcp.storage.fsspec_store import S3_REQUEST_RETRIES, _bounded_s3_retries
 from tests.helpers.launch import run_ranks
 from tests.helpers.training import build, train
 
@@ -351,7 +351,7 @@ def test_s3_retry_settings_from_environment_and_config_file_are_kept(monkeypatch
     monkeypatch.setenv("AWS_MAX_ATTEMPTS", "7")
     assert retries({}) == {"mode": "standard"}  # botocore adds the 7 itself
     # ...as the client dmuon's store builds shows (building it contacts no server)
-    from dmuon.dcp.fsspec_store import FsspecStore
+    from dmuon.dcp.storage.fsspec_store import FsspecStore
 
     options = {"endpoint_url": "http://127.0.0.1:9", "key": "k", "secret": "s", "skip_instance_cache": True}
     fs = FsspecStore("s3://b/ckpt", options).fs

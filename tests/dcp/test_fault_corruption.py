@@ -100,7 +100,7 @@ def _manifest_name(path):
 
 def _edit_manifest(path, edit):
     """Change the manifest's file entries and re-sign it, as a forger would."""
-    from dmuon.dcp.manifest import decode_manifest, encode_manifest
+    from dmuon.dcp.format.manifest import decode_manifest, encode_manifest
 
     name = _manifest_name(path)
     manifest = decode_manifest(name, (path / name).read_bytes())
@@ -114,7 +114,7 @@ def _write_v1_manifest(path, wrong_whole_file_for=None):
     import json
     import zlib
 
-    from dmuon.dcp.manifest import decode_manifest
+    from dmuon.dcp.format.manifest import decode_manifest
 
     name = _manifest_name(path)
     current = decode_manifest(name, (path / name).read_bytes())

@@ -14,8 +14,8 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 
 import dmuon.dcp as ddcp
 from dmuon.dcp.checkpoint import open_checkpoint
-from dmuon.dcp.checksums import checksum_of
-from dmuon.dcp.manifest import ItemChecksums
+from dmuon.dcp.format.checksums import checksum_of
+from dmuon.dcp.format.manifest import ItemChecksums
 from tests.helpers.launch import run_ranks
 from tests.helpers.tamper import manifest_of, rewrite
 from tests.helpers.training import build, train

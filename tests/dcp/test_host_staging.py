@@ -9,7 +9,7 @@ import torch.distributed.checkpoint as dcp
 import dmuon
 import dmuon.dcp as ddcp
 from dmuon.dcp.host_staging import HostStaging
-from dmuon.dcp.store import LOCAL_DIRECT_IO_OPTION
+from dmuon.dcp.storage.base import LOCAL_DIRECT_IO_OPTION
 from tests.helpers.launch import run_ranks
 from tests.helpers.models import Wide
 from tests.helpers.setup import make_mesh, max_abs_diff, shard_model
@@ -66,7 +66,7 @@ def staged_save_worker(rank, world, path, direct):
 
 @pytest.mark.parametrize("direct", [False, True], ids=["buffered", "direct"])
 def test_a_save_through_the_staging_buffers_loads_bit_exactly(tmp_path, direct):
-    from dmuon.dcp.local_store import DIRECT_IO_FILESYSTEMS, filesystem_type
+    from dmuon.dcp.storage.local import DIRECT_IO_FILESYSTEMS, filesystem_type
 
     if direct and filesystem_type(str(tmp_path)) not in DIRECT_IO_FILESYSTEMS:
         pytest.skip("no direct I/O here")
@@ -79,9 +79,9 @@ def test_a_save_through_the_staging_buffers_loads_bit_exactly(tmp_path, direct):
 def test_a_reused_buffer_is_never_written_from_in_place(tmp_path, lend):
     """A staging buffer is refilled once its item is written: the file must have copied it, not
     borrowed it (a direct-I/O write from the caller's memory finishes later, in the background)."""
-    from dmuon.dcp.checksums import WRITE_CHECKSUM
-    from dmuon.dcp.local_store import DIRECT_IO_FILESYSTEMS, DirectFile, filesystem_type
-    from dmuon.dcp.torch_file import TensorFrames
+    from dmuon.dcp.format.checksums import WRITE_CHECKSUM
+    from dmuon.dcp.storage.local import DIRECT_IO_FILESYSTEMS, DirectFile, filesystem_type
+    from dmuon.dcp.format.torch_file import TensorFrames
     from dmuon.dcp.writer import _ChecksummingStream, _write_item
 
     if filesystem_type(str(tmp_path)) not in DIRECT_IO_FILESYSTEMS:

@@ -68,7 +68,7 @@ def test_resharded_loads_read_at_most_a_tenth_more_than_they_need(tmp_path, sour
 def test_a_flipped_byte_inside_a_partly_read_chunk_is_caught(tmp_path):
     import pickle
 
-    from dmuon.dcp.manifest import decode_manifest
+    from dmuon.dcp.format.manifest import decode_manifest
 
     path = tmp_path / "ckpt"
     run_ranks(save_worker, 2, str(path))

@@ -10,7 +10,7 @@ import torch.distributed.checkpoint as dcp
 
 import dmuon
 import dmuon.dcp as ddcp
-from dmuon.dcp.format import METADATA, rank_of_data_file
+from dmuon.dcp.format.layout import METADATA, rank_of_data_file
 from tests.helpers.launch import run_ranks
 from tests.helpers.setup import max_abs_diff
 from tests.helpers.training import build, train

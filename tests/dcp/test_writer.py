@@ -7,8 +7,8 @@ import torch.distributed.checkpoint as dcp
 
 import dmuon.dcp as ddcp
 from dmuon.dcp.checkpoint import open_checkpoint
-from dmuon.dcp.local_store import BORROW_MIN_BYTES, DIRECT_IO_ALIGN, DIRECT_IO_FILESYSTEMS, filesystem_type
-from dmuon.dcp.store import LOCAL_DIRECT_IO_OPTION
+from dmuon.dcp.storage.local import BORROW_MIN_BYTES, DIRECT_IO_ALIGN, DIRECT_IO_FILESYSTEMS, filesystem_type
+from dmuon.dcp.storage.base import LOCAL_DIRECT_IO_OPTION
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # one process, on purpose
 

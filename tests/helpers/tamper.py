@@ -5,9 +5,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from dmuon.dcp.checksums import checksum_of
-from dmuon.dcp.format import METADATA, is_manifest_name
-from dmuon.dcp.manifest import decode_manifest, encode_manifest
+from dmuon.dcp.format.checksums import checksum_of
+from dmuon.dcp.format.layout import METADATA, is_manifest_name
+from dmuon.dcp.format.manifest import decode_manifest, encode_manifest
 
 
 def manifest_of(path: Path):

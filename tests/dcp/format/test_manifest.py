@@ -3,9 +3,9 @@ import json
 
 import pytest
 
-from dmuon.dcp.checksums import CHECKSUMS, WRITE_CHECKSUM, checksum_of
+from dmuon.dcp.format.checksums import CHECKSUMS, WRITE_CHECKSUM, checksum_of
 from dmuon.dcp.errors import CheckpointCorruptError
-from dmuon.dcp.manifest import (
+from dmuon.dcp.format.manifest import (
     MANIFEST_V2,
     MANIFEST_V3,
     FileStats,

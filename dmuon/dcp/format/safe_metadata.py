@@ -24,8 +24,8 @@ import pickle
 import torch
 from torch.distributed.checkpoint.metadata import Metadata
 
-from .errors import CheckpointCorruptError, UnsafeCheckpointError
-from .gc_pause import paused_gc
+from ..errors import CheckpointCorruptError, UnsafeCheckpointError
+from ..gc_pause import paused_gc
 
 __all__ = ["load_metadata_bytes"]
 

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from .. import compat
+from ... import compat
 
 __all__ = [
     "Placement",

@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from dmuon.dcp.fsspec_store import FsspecStore
-from dmuon.dcp.s3_transfer import S3_PART_BYTES, S3ParallelReader, S3ParallelWriter
+from dmuon.dcp.storage.fsspec_store import FsspecStore
+from dmuon.dcp.storage.s3_transfer import S3_PART_BYTES, S3ParallelReader, S3ParallelWriter
 
 PART = 5 << 20  # S3's smallest part
 

@@ -5,7 +5,7 @@ import zipfile
 import pytest
 import torch
 
-from dmuon.dcp import torch_file
+from dmuon.dcp.format import torch_file
 
 
 @pytest.mark.parametrize("tensor", [

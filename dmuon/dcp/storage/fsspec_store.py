@@ -16,8 +16,8 @@ import os
 from collections.abc import Iterator
 from typing import Any, BinaryIO, cast
 
+from .base import RetryPolicy, checked_name, endpoint_unreachable, exception_chain
 from .s3_transfer import S3_PART_BYTES, S3_UPLOAD_CONCURRENCY, S3ParallelReader, S3ParallelWriter
-from .store import RetryPolicy, checked_name, endpoint_unreachable, exception_chain
 
 __all__ = ["S3_PART_BYTES", "S3_UPLOAD_CONCURRENCY", "FsspecStore"]
 

@@ -22,7 +22,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import BinaryIO, Protocol, runtime_checkable
 
-from .errors import (
+from ..errors import (
     CheckpointError,
     CheckpointExistsError,
     CheckpointIncompleteError,
@@ -30,7 +30,7 @@ from .errors import (
     StorageError,
     UnsafeCheckpointError,
 )
-from .format import METADATA
+from ..format.layout import METADATA
 
 __all__ = [
     "LOCAL_DIRECT_IO_OPTION",
@@ -174,7 +174,7 @@ def open_store(
     if factory is not None:
         return factory(text, storage_options, sync_files)
     if not is_remote(text):
-        from .local_store import LocalStore
+        from .local import LocalStore
 
         path = text[len("file://") :] if text.startswith("file://") else text
         options = dict(storage_options or {})

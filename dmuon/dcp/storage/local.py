@@ -26,8 +26,8 @@ from typing import BinaryIO, cast
 
 import numpy
 
-from .format import temp_name
-from .store import RetryPolicy, checked_name
+from ..format.layout import temp_name
+from .base import RetryPolicy, checked_name
 from .write_path import choose_write_path
 
 __all__ = ["DIRECT_IO_FILESYSTEMS", "DirectFile", "LocalStore", "filesystem_type"]

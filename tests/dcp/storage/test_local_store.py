@@ -9,8 +9,8 @@ import textwrap
 import numpy
 import pytest
 
-from dmuon.dcp import write_path
-from dmuon.dcp.local_store import (
+from dmuon.dcp.storage import write_path
+from dmuon.dcp.storage.local import (
     BORROW_MIN_BYTES,
     DIRECT_IO_ALIGN,
     DIRECT_IO_FILESYSTEMS,
@@ -20,9 +20,9 @@ from dmuon.dcp.local_store import (
     LocalStore,
     filesystem_type,
 )
-from dmuon.dcp.store import LOCAL_DIRECT_IO_OPTION, open_store
+from dmuon.dcp.storage.base import LOCAL_DIRECT_IO_OPTION, open_store
 
-REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
 
 
 def _direct_file_or_skip(path) -> DirectFile:
@@ -143,7 +143,7 @@ def test_store_writes_streamed_files_the_way_the_probe_chose(tmp_path, caplog):
     store = LocalStore(str(tmp_path / "ckpt"))
     store.makedirs()
     data = os.urandom(STAGING_BYTES + 999)
-    with caplog.at_level(logging.INFO, logger="dmuon.dcp.write_path"):
+    with caplog.at_level(logging.INFO, logger="dmuon.dcp.storage.write_path"):
         with store.open_write("data") as f:
             f.write(data)
     [choice] = write_path.known_choices().values()
@@ -199,7 +199,7 @@ _FILE_TOO_BIG = textwrap.dedent("""
     import errno, os, resource, signal, sys
     sys.path.insert(0, {repo!r})
     import mmap
-    from dmuon.dcp.local_store import LocalStore, STAGING_BYTES
+    from dmuon.dcp.storage.local import LocalStore, STAGING_BYTES
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     resource.setrlimit(resource.RLIMIT_FSIZE, (3 * STAGING_BYTES + 512, 3 * STAGING_BYTES + 512))
     store = LocalStore({root!r}, direct_io=True)

@@ -34,8 +34,8 @@ import struct
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
+from ..errors import CheckpointCorruptError
 from .checksums import CHECKSUMS, checksum_of
-from .errors import CheckpointCorruptError
 
 __all__ = [
     "EncodedItems",

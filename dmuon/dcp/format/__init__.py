@@ -1,0 +1,1 @@
+"""The checkpoint format: what each file of a checkpoint holds."""

@@ -1,0 +1,1 @@
+"""Where a checkpoint's bytes live: the store interface and its backends."""
