@@ -201,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     import tempfile
 
     from .dcp import export, inspect
-    from .dcp.storage.base import storage_options_from_pairs
+    from .dcp.cli import storage_options_from_pairs
 
     parser = argparse.ArgumentParser(prog="python -m dmuon.demo", description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=40)

@@ -22,7 +22,8 @@ from .manager import CheckpointManager
 from .plan_cache import SavePlanCache
 from .planner import DMuonLoadPlanner, DMuonSavePlanner
 from .reader import DMuonStorageReader
-from .storage.base import RetryPolicy, Store, open_store, register_store, unregister_store
+from .storage import RetryPolicy, Store
+from .storage.registry import open_store, register_store, unregister_store
 from .writer import DMuonStorageWriter
 
 __all__ = [

@@ -20,6 +20,7 @@ from .checkpoint import open_checkpoint
 from .errors import from_checkpoint_exception
 from .format.layout import EXTRA_SECTION
 from .gc_pause import paused_gc
+from .hf import is_safetensors_checkpoint, load_safetensors
 from .plan_cache import SavePlanCache
 from .planner import DMuonLoadPlanner, DMuonSavePlanner
 from .reader import DMuonStorageReader
@@ -107,8 +108,6 @@ def load(
     A HuggingFace safetensors file or directory loads the model part (``optimizer=None``).
     Python's garbage collector is paused for the call.
     """
-    from .hf import is_safetensors_checkpoint, load_safetensors
-
     if is_safetensors_checkpoint(checkpoint_id, storage_options):
         if optimizer is not None:
             raise ValueError("a safetensors checkpoint holds weights only: pass optimizer=None")

@@ -8,8 +8,9 @@ import sys
 
 from .checkpoint import inspect, open_checkpoint
 from .errors import CheckpointError
-from .export import release_freed_memory_promptly
-from .storage.base import exception_chain, storage_options_from_pairs
+from .export import export, release_freed_memory_promptly
+from .progress import byte_progress
+from .storage.retry import exception_chain
 
 __all__ = ["main"]
 
@@ -39,18 +40,19 @@ def _print_inspect(doc: dict) -> None:
         print(f"objects      {', '.join(doc['objects'])}")
 
 
-def _progress_bar(total: int):
-    from tqdm import tqdm
-
-    return tqdm(
-        total=total,
-        unit="B",
-        unit_scale=True,
-        unit_divisor=1024,
-        desc="verify",
-        disable=not sys.stderr.isatty(),
-        file=sys.stderr,
-    )
+def storage_options_from_pairs(pairs: list[str], flag: str = "--storage-option") -> dict | None:
+    """``["key=value", ...]`` (command-line ``flag``s) as fsspec storage options; values are
+    JSON where they parse as JSON (numbers, booleans, objects), else strings."""
+    options = {}
+    for pair in pairs or []:
+        key, sep, value = pair.partition("=")
+        if not sep:
+            raise SystemExit(f"{flag} expects key=value, got {pair!r}")
+        try:
+            options[key] = json.loads(value)
+        except ValueError:
+            options[key] = value
+    return options or None
 
 
 _CREDENTIALS_NOTE = (
@@ -113,8 +115,6 @@ def main(argv: list[str] | None = None) -> int:
     options = storage_options_from_pairs(args.storage_option)
     try:
         if args.command == "export":
-            from .export import export
-
             release_freed_memory_promptly()  # process-wide: fine in the CLI's own process
             files = export(
                 args.checkpoint,
@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         data_files = listing.manifest.files if listing.manifest else {}
         total = sum(stats.size for stats in data_files.values())
-        with _progress_bar(total) as bar:
+        with byte_progress(total, "verify") as bar:
             problems = listing.verify_files(bar.update)
         if problems:
             for problem in problems:

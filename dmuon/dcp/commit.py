@@ -1,4 +1,4 @@
-"""Committing a save, and removing what it replaced.
+"""Committing a save, removing what it replaced, and un-committing a checkpoint to delete it.
 
 The commit protocol of a save with id ``S`` to one store (see ``format.py`` for the names):
 
@@ -21,9 +21,10 @@ import time
 from .errors import CheckpointCorruptError, CheckpointExistsError
 from .format.layout import METADATA, is_dmuon_file, is_manifest_name, manifest_name
 from .format.manifest import Manifest, decode_manifest, encode_manifest
-from .storage.base import Store, retrying
+from .storage.base import Store
+from .storage.retry import retrying
 
-__all__ = ["STALE_AFTER_S", "collect_garbage", "commit", "files_of_committed_saves"]
+__all__ = ["STALE_AFTER_S", "collect_garbage", "commit", "files_of_committed_saves", "remove_checkpoint"]
 
 log = logging.getLogger(__name__)
 
@@ -83,3 +84,10 @@ def _older_than(store: Store, name: str, seconds: float) -> bool:
         return time.time() - store.modified(name) > seconds
     except (OSError, NotImplementedError, AttributeError):
         return False
+
+
+def remove_checkpoint(store: Store) -> None:
+    """Un-commit first (``.metadata``), then delete: a crash midway leaves an incomplete
+    directory, never a committed checkpoint with missing files."""
+    store.delete(METADATA)
+    store.remove_tree()

@@ -5,19 +5,19 @@ each tensor is assembled from its stored chunks, cast, written and dropped befor
 Both output writers know every key, shape and dtype up front (from the checkpoint metadata),
 so they can lay out their headers before the first byte of data:
 
-* safetensors: the 8-byte header length and JSON header, then the tensors' bytes;
+* safetensors (``format.safetensors_file``): the header, then the tensors' bytes;
 * torch: the zip archive ``torch.save`` writes, with ``data.pkl`` pickled from shape-only
-  stand-ins and each storage record written as its tensor arrives.
+  stand-ins and each storage record written as its tensor arrives (``format.torch_file``).
 """
 
 from __future__ import annotations
 
 import collections
+import ctypes
 import json
 import math
 import os
 import re
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -26,9 +26,14 @@ from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMe
 
 from .checkpoint import CheckpointListing, open_checkpoint
 from .format.layout import HF_INDEX_FILE, HF_SINGLE_FILE, MODEL_PREFIX, hf_shard_name
-from .format.torch_file import SLICE, TorchFileWriter, pickled_tensors, tensor_memory, write_postamble, write_preamble
-from .hf import SAFETENSORS_DTYPES
-from .storage.base import Store, is_remote, open_store
+from .format.safetensors_file import write_safetensors
+from .format.tensor_bytes import tensor_memory
+from .format.torch_file import pickled_tensors, write_postamble, write_preamble
+from .format.torch_zip import TorchFileWriter
+from .progress import byte_progress
+from .reader import narrow_to
+from .storage.base import Store
+from .storage.registry import is_remote, open_store, split_location
 
 __all__ = [
     "ExportEntry",
@@ -38,7 +43,6 @@ __all__ = [
     "read_full",
     "release_freed_memory_promptly",
     "resolve_output_options",
-    "write_safetensors",
     "write_torch_file",
 ]
 
@@ -75,7 +79,7 @@ class ExportEntry:
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 def model_entries(listing: CheckpointListing, dtype: torch.dtype | None = None) -> list[ExportEntry]:
@@ -121,10 +125,7 @@ def read_full(
         with listing.store.open_read(name) as stream:
             for index, chunk in chunks:
                 piece = listing.read_tensor(index, stream)
-                region = out
-                for dim, (offset, size) in enumerate(zip(chunk.offsets, chunk.sizes)):
-                    region = region.narrow(dim, offset, size)
-                region.copy_(piece)
+                narrow_to(out, chunk.offsets, chunk.sizes).copy_(piece)
                 del piece
     return out
 
@@ -132,38 +133,6 @@ def read_full(
 # ---------------------------------------------------------------------------------------------
 # output writers
 # ---------------------------------------------------------------------------------------------
-def write_safetensors(
-    store: Store,
-    name: str,
-    entries: list[ExportEntry],
-    tensors: Iterator[torch.Tensor],
-    metadata: dict | None = None,
-) -> None:
-    header: dict = {"__metadata__": {"format": "pt", **(metadata or {})}}
-    offset = 0
-    for entry in entries:
-        if entry.dtype not in SAFETENSORS_DTYPES:
-            raise ValueError(f"{entry.key}: dtype {entry.dtype} has no safetensors equivalent")
-        header[entry.key] = {
-            "dtype": SAFETENSORS_DTYPES[entry.dtype],
-            "shape": list(entry.shape),
-            "data_offsets": [offset, offset + entry.nbytes],
-        }
-        offset += entry.nbytes
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned
-    with store.open_write(name) as out:
-        out.write(len(raw).to_bytes(8, "little"))
-        out.write(raw)
-        for _entry, tensor in zip(entries, tensors):
-            view = tensor_memory(tensor.contiguous())
-            for start in range(0, view.nbytes, SLICE):
-                out.write(view[start : start + SLICE])
-            # Let go before the next tensor is read: allocating it while this one lives
-            # fragments the heap, and RSS then climbs by a tensor per tensor.
-            del tensor, view
-
-
 def write_torch_file(store: Store, name: str, entries: list[ExportEntry], tensors: Iterator[torch.Tensor]) -> None:
     """A file ``torch.load(path, weights_only=True)`` reads as ``{key: tensor}``; tied
     aliases share one storage, as in ``torch.save(model.state_dict())``."""
@@ -183,7 +152,7 @@ def write_torch_file(store: Store, name: str, entries: list[ExportEntry], tensor
                 writer.write_record(f"data/{key}", view, align=True)
                 written.add(key)
                 del view
-            del tensor  # see write_safetensors
+            del tensor  # before the next one is read: see write_safetensors
         write_postamble(writer)
 
 
@@ -201,26 +170,10 @@ def release_freed_memory_promptly() -> None:
     the ``dmuon-ckpt`` CLI does, in its own process; call it yourself in a process that only
     exports. No effect outside glibc.
     """
-    import ctypes
-
     try:
         ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
     except (OSError, AttributeError):
         pass
-
-
-def _progress(total_bytes: int, desc: str):
-    from tqdm import tqdm
-
-    return tqdm(
-        total=total_bytes,
-        unit="B",
-        unit_scale=True,
-        unit_divisor=1024,
-        desc=desc,
-        disable=not sys.stderr.isatty(),
-        file=sys.stderr,
-    )
 
 
 def _stream(listing: CheckpointListing, entries: list[ExportEntry], bar) -> Iterator[torch.Tensor]:
@@ -239,6 +192,10 @@ def _stream(listing: CheckpointListing, entries: list[ExportEntry], bar) -> Iter
         yield last
 
 
+def _layout(entries: list[ExportEntry]) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+    return [(entry.key, entry.dtype, entry.shape) for entry in entries]
+
+
 def _shards(entries: list[ExportEntry], max_bytes: int) -> list[list[ExportEntry]]:
     shards: list[list[ExportEntry]] = [[]]
     size = 0
@@ -249,14 +206,6 @@ def _shards(entries: list[ExportEntry], max_bytes: int) -> list[list[ExportEntry
         shards[-1].append(entry)
         size += entry.nbytes
     return shards
-
-
-def _split_file(path: str) -> tuple[str, str]:
-    """(directory, file name) of an output file path or URL."""
-    head, _, name = path.rstrip("/").rpartition("/")
-    if not is_remote(path):
-        head, name = os.path.split(os.path.abspath(path))
-    return head, name
 
 
 # Schemes that name the same filesystem (s3fs, gcsfs) count as one kind of store.
@@ -329,10 +278,10 @@ def export(
     entries = model_entries(listing, dtype)
     total = sum(e.nbytes for e in entries)
     if format == "torch":
-        directory, name = _split_file(output)
+        directory, name = split_location(output)
         store = open_store(directory, out_options)
         store.makedirs()
-        with _progress(total, "export .pt") as bar:
+        with byte_progress(total, "export .pt") as bar:
             write_torch_file(store, name, entries, _stream(listing, entries, bar))
         return [f"{store.url}/{name}"]
     if format != "safetensors":
@@ -340,14 +289,14 @@ def export(
     store = open_store(output, out_options)
     store.makedirs()
     shards = _shards(entries, parse_size(max_shard_size))
-    with _progress(total, "export safetensors") as bar:
+    with byte_progress(total, "export safetensors") as bar:
         if len(shards) == 1:
-            write_safetensors(store, HF_SINGLE_FILE, entries, _stream(listing, entries, bar))
+            write_safetensors(store, HF_SINGLE_FILE, _layout(entries), _stream(listing, entries, bar))
             return [f"{store.url}/{HF_SINGLE_FILE}"]
         weight_map = {}
         for i, shard in enumerate(shards, start=1):
             name = hf_shard_name(i, len(shards))
-            write_safetensors(store, name, shard, _stream(listing, shard, bar))
+            write_safetensors(store, name, _layout(shard), _stream(listing, shard, bar))
             weight_map.update({e.key: name for e in shard})
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     store.put(HF_INDEX_FILE, json.dumps(index, indent=2).encode())

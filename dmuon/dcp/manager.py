@@ -12,6 +12,7 @@ from ..optim.muon import Muon
 from ..topology import current_rank as _rank
 from . import api
 from .async_checkpointer import AsyncCheckpointer, AsyncSaveHandle
+from .commit import remove_checkpoint
 from .errors import (
     CheckpointCorruptError,
     CheckpointIncompleteError,
@@ -20,7 +21,7 @@ from .errors import (
 )
 from .format.layout import METADATA
 from .plan_cache import SavePlanCache
-from .storage.base import open_store, remove_checkpoint
+from .storage.registry import open_store
 
 __all__ = ["CheckpointManager"]
 

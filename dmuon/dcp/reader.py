@@ -22,8 +22,9 @@ from torch.futures import Future
 from .checkpoint import CheckpointListing, open_checkpoint
 from .errors import CheckpointCorruptError
 from .format.manifest import ItemChecksums
-from .format.torch_file import tensor_memory
-from .storage.base import checked_name, retrying
+from .format.tensor_bytes import tensor_memory
+from .storage.base import checked_name
+from .storage.retry import retrying
 
 __all__ = ["DMuonStorageReader", "narrow_to"]
 

@@ -28,9 +28,13 @@ from .errors import CheckpointExistsError
 from .format.checksums import CHECKSUMS, HOT_SLICE, WRITE_CHECKSUM, checksum_of
 from .format.layout import METADATA, data_file_name
 from .format.manifest import FileStats, ItemChecksums, Manifest, block_size_for
-from .format.torch_file import SLICE, Placement, TensorFrames, write_tensor_payload
+from .format.tensor_bytes import SLICE
+from .format.torch_file import TensorFrames, write_tensor_payload
+from .format.torch_zip import Placement
 from .host_staging import HostStaging
-from .storage.base import BorrowingStream, Store, open_store, retrying
+from .storage.base import BorrowingStream, Store
+from .storage.registry import open_store
+from .storage.retry import retrying
 
 __all__ = ["DMuonStorageWriter"]
 
@@ -42,7 +46,7 @@ _FILE_STATS = "__dmuon_file_stats__"
 class _ChecksummingStream:
     """Forwards writes, counting bytes and checksumming them in segments (``cut()`` ends one).
 
-    Over a :class:`~.store.BorrowingStream` (direct I/O to a local disk), tensor bytes are
+    Over a :class:`~.storage.base.BorrowingStream` (direct I/O to a local disk), tensor bytes are
     handed over without a copy: ``placement`` says where to put a tensor so that its bytes in
     the file line up with its memory, and ``write_blocks`` lends them.
     """

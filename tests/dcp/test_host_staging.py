@@ -9,7 +9,7 @@ import torch.distributed.checkpoint as dcp
 import dmuon
 import dmuon.dcp as ddcp
 from dmuon.dcp.host_staging import HostStaging
-from dmuon.dcp.storage.base import LOCAL_DIRECT_IO_OPTION
+from dmuon.dcp.storage.local import LOCAL_DIRECT_IO_OPTION
 from tests.helpers.launch import run_ranks
 from tests.helpers.models import Wide
 from tests.helpers.setup import make_mesh, max_abs_diff, shard_model
@@ -80,7 +80,8 @@ def test_a_reused_buffer_is_never_written_from_in_place(tmp_path, lend):
     """A staging buffer is refilled once its item is written: the file must have copied it, not
     borrowed it (a direct-I/O write from the caller's memory finishes later, in the background)."""
     from dmuon.dcp.format.checksums import WRITE_CHECKSUM
-    from dmuon.dcp.storage.local import DIRECT_IO_FILESYSTEMS, DirectFile, filesystem_type
+    from dmuon.dcp.storage.direct_io import DirectFile
+    from dmuon.dcp.storage.local import DIRECT_IO_FILESYSTEMS, filesystem_type
     from dmuon.dcp.format.torch_file import TensorFrames
     from dmuon.dcp.writer import _ChecksummingStream, _write_item
 

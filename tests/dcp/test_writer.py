@@ -7,8 +7,8 @@ import torch.distributed.checkpoint as dcp
 
 import dmuon.dcp as ddcp
 from dmuon.dcp.checkpoint import open_checkpoint
-from dmuon.dcp.storage.local import BORROW_MIN_BYTES, DIRECT_IO_ALIGN, DIRECT_IO_FILESYSTEMS, filesystem_type
-from dmuon.dcp.storage.base import LOCAL_DIRECT_IO_OPTION
+from dmuon.dcp.storage.direct_io import BORROW_MIN_BYTES, DIRECT_IO_ALIGN
+from dmuon.dcp.storage.local import DIRECT_IO_FILESYSTEMS, LOCAL_DIRECT_IO_OPTION, filesystem_type
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # one process, on purpose
 

@@ -20,7 +20,8 @@ A dmuon checkpoint is a standard DCP checkpoint, one directory (or object-store 
     the size and checksum of every data file item (the items tile each file) and of the
     ``.metadata`` bytes, itself checksummed; schema in ``manifest.py``.
 ``<one of the above>.tmp-<random>``
-    a file being put atomically (written, then renamed or linked into place).
+    a file being put atomically (written, then renamed or linked into place; the name is the
+    store's, ``storage.base.temp_name``).
 
 The save id is random per save: files of a new save never overwrite a committed one.
 
@@ -40,6 +41,8 @@ from __future__ import annotations
 
 import re
 
+from ..storage.base import temp_target
+
 __all__ = [
     "EXTRA_SECTION",
     "FORMAT_VERSION",
@@ -56,7 +59,6 @@ __all__ = [
     "is_manifest_name",
     "manifest_name",
     "rank_of_data_file",
-    "temp_name",
 ]
 
 #: The commit marker (torch's metadata file name).
@@ -75,8 +77,6 @@ MODEL_PREFIX = MODEL_SECTION + "."
 _DATA_FILE = re.compile(r"^__(\d+)_([0-9A-Za-z]+)\.distcp$")
 _MANIFEST_PREFIX = ".dmuon-manifest-"
 _MANIFEST_FILE = re.compile(r"^\.dmuon-manifest-([0-9a-f]+)\.json$")
-_TEMP_SUFFIX = ".tmp-"
-_TEMP_FILE = re.compile(r"^(.+)\.tmp-[0-9a-f]+$")
 
 HF_SINGLE_FILE = "model.safetensors"
 HF_INDEX_FILE = "model.safetensors.index.json"
@@ -100,18 +100,13 @@ def is_manifest_name(name: str) -> bool:
     return _MANIFEST_FILE.match(name) is not None
 
 
-def temp_name(name: str, token: str) -> str:
-    """Where ``name`` is written before it is moved into place (``token``: random hex)."""
-    return f"{name}{_TEMP_SUFFIX}{token}"
-
-
 def is_dmuon_file(name: str) -> bool:
     """A file a dmuon save writes: data file, manifest, or a temporary one of .metadata or a
     manifest. Garbage collection never touches anything else."""
     if _DATA_FILE.match(name) or _MANIFEST_FILE.match(name):
         return True
-    match = _TEMP_FILE.match(name)
-    return match is not None and (match.group(1) == METADATA or _MANIFEST_FILE.match(match.group(1)) is not None)
+    target = temp_target(name)
+    return target is not None and (target == METADATA or _MANIFEST_FILE.match(target) is not None)
 
 
 def hf_shard_name(index: int, count: int) -> str:

@@ -1,10 +1,9 @@
-"""The ``torch.save`` file format, written and read by dmuon without ``torch.save``/``torch.load``.
+"""Tensors in the ``torch.save`` file format, written and read without ``torch.save``/``torch.load``.
 
-A ``torch.save`` file is an uncompressed zip archive: ``archive/data.pkl`` (the pickled object,
-whose tensors refer to their storages by key), one record ``archive/data/<key>`` per storage
-(raw bytes, aligned to 64 bytes in the file, or placed where the writer asks: see
-:data:`Placement`), and small records (``byteorder``, ``version``...).
-``torch.load(weights_only=True)`` reads what :class:`TorchFileWriter` writes.
+What a ``torch.save`` payload of tensors holds, record by record: the pickle (``data.pkl``,
+tensors as references to storage records, built from shape-only stand-ins), the storage
+records themselves, and the small records around them; the zip container that holds the
+records is ``torch_zip``'s. ``torch.load(weights_only=True)`` reads what is written here.
 
 Why not ``torch.save``: it computes a zip CRC-32 of every record, which ``torch.load`` never
 checks and which costs as much CPU as writing the bytes (dmuon checksums every item in its
@@ -24,44 +23,26 @@ import collections
 import io
 import math
 import pickle
-import struct
 import sys
 import warnings
-import zipfile
-import zlib
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from ... import compat
+from .tensor_bytes import tensor_memory, write_in_slices
+from .torch_zip import STORAGE_ALIGNMENT, Placement, TorchFileWriter, single_record_offset
 
 __all__ = [
-    "Placement",
     "TensorFrames",
-    "TorchFileWriter",
-    "single_record_offset",
+    "pickled_tensors",
     "tensor_frame",
     "tensor_from_payload",
-    "tensor_memory",
+    "write_postamble",
+    "write_preamble",
     "write_tensor_payload",
 ]
-
-ARCHIVE = "archive"
-STORAGE_ALIGNMENT = 64
-Placement = tuple[int, int]
-"""(modulus, residue): a storage record whose bytes start at a payload position congruent to
-``residue`` modulo ``modulus``, padded as torch's writer pads to 64 bytes. A writer uses it to
-line a tensor's bytes in the file up with their address in memory, so that they can be written
-to the device from that memory (direct I/O). ``torch.load`` reads the record wherever it lies:
-it takes each record's start from its header."""
-SLICE = 8 << 20  # bytes handed to the stream per write: bounded, and big enough for fast I/O
-
-_LOCAL_HEADER = b"PK\x03\x04"
-_LOCAL_HEADER_SIZE = 30
-_SENTINEL = 0xFFFFFFFF  # "see the ZIP64 field" in a 32-bit size or offset
-_ZIP64_LIMIT = _SENTINEL  # from here on a size or offset needs ZIP64 (lowered by a test)
-_PAD_EXTRA_ID = b"FB"  # the padding extra field torch's own writer uses for alignment
 
 
 # ---------------------------------------------------------------------------------------------
@@ -117,154 +98,11 @@ def _pickled_tensor(dtype: torch.dtype, shape: tuple[int, ...]) -> bytes:
     return buffer.getvalue()
 
 
-def tensor_memory(tensor: torch.Tensor) -> memoryview:
-    """The bytes of a contiguous CPU tensor, without a copy."""
-    if tensor.numel() == 0:
-        return memoryview(b"")
-    flat = tensor.detach().reshape(-1).view(torch.uint8)
-    return memoryview(flat.numpy())  # type: ignore[arg-type]
-
-
-def _write_in_slices(out: Any, data) -> int:
-    """``data`` to ``out`` in :data:`SLICE`-sized writes; the number of bytes written."""
-    view = memoryview(data).cast("B")
-    for start in range(0, view.nbytes, SLICE):
-        out.write(view[start : start + SLICE])
-    return view.nbytes
-
-
 # ---------------------------------------------------------------------------------------------
-# the zip container
+# the records around the storages
 # ---------------------------------------------------------------------------------------------
-class TorchFileWriter:
-    """Writes the records of a ``torch.save`` zip to a stream that only needs ``write``.
-
-    ``write_record`` streams each record (a large one in :data:`SLICE`-sized writes); ``close``
-    writes the central directory. Records larger than 4 GiB get ZIP64 fields.
-    """
-
-    def __init__(self, out: Any) -> None:
-        self.out = out
-        self.pos = 0
-        self._central: list[bytes] = []
-
-    def _write(self, data) -> None:
-        self.pos += _write_in_slices(self.out, data)
-
-    def write_record(
-        self,
-        name: str,
-        data,
-        *,
-        align: bool = False,
-        place: Placement | None = None,
-        write_data: Callable[[memoryview], None] | None = None,
-    ) -> None:
-        """One record; ``align`` (storages) starts its bytes on a 64-byte boundary and leaves
-        its CRC field 0; small records get a real CRC-32, so any zip reader reads them.
-        ``place`` (with ``align``) starts them at the position it asks for instead.
-
-        ``write_data(view)``, if given, writes the record's bytes to the stream instead of this
-        writer (a checksumming stream checksums them block by block).
-        """
-        view = memoryview(data).cast("B")
-        crc = 0 if align else zlib.crc32(view)
-        size = view.nbytes
-        full_name = f"{ARCHIVE}/{name}".encode()
-        zip64 = size >= _ZIP64_LIMIT
-        extra = struct.pack("<HHQQ", 1, 16, size, size) if zip64 else b""
-        if align:
-            header_end = self.pos + _LOCAL_HEADER_SIZE + len(full_name) + len(extra) + 4
-            modulus, residue = place or (STORAGE_ALIGNMENT, 0)
-            pad = (residue - header_end) % modulus
-            extra += _PAD_EXTRA_ID + struct.pack("<H", pad) + b"Z" * pad
-        stored = _SENTINEL if zip64 else size
-        version = 45 if zip64 else 20
-        offset = self.pos
-        self._write(
-            struct.pack(
-                "<4sHHHHHIIIHH",
-                _LOCAL_HEADER,
-                version,
-                0,
-                0,
-                0,
-                0,
-                crc,
-                stored,
-                stored,
-                len(full_name),
-                len(extra),
-            )
-            + full_name
-            + extra
-        )
-        if write_data is None:
-            self._write(view)
-        else:
-            write_data(view)
-            self.pos += size
-        central_extra = b""
-        fields = []
-        if zip64:
-            fields += [size, size]
-        if offset >= _ZIP64_LIMIT:
-            fields.append(offset)
-        if fields:
-            central_extra = struct.pack("<HH", 1, 8 * len(fields)) + struct.pack(f"<{len(fields)}Q", *fields)
-        self._central.append(
-            struct.pack(
-                "<4sHHHHHHIIIHHHHHII",
-                b"PK\x01\x02",
-                45,
-                max(version, 45 if fields else 20),
-                0,
-                0,
-                0,
-                0,
-                crc,
-                stored,
-                stored,
-                len(full_name),
-                len(central_extra),
-                0,
-                0,
-                0,
-                0,
-                _SENTINEL if offset >= _ZIP64_LIMIT else offset,
-            )
-            + full_name
-            + central_extra
-        )
-
-    def close(self) -> None:
-        start = self.pos
-        for entry in self._central:
-            self._write(entry)
-        size = self.pos - start
-        count = len(self._central)
-        zip64 = start >= _ZIP64_LIMIT or size >= _ZIP64_LIMIT or count >= 0xFFFF
-        if zip64:
-            record = self.pos
-            self._write(struct.pack("<4sQHHIIQQQQ", b"PK\x06\x06", 44, 45, 45, 0, 0, count, count, size, start))
-            self._write(struct.pack("<4sIQI", b"PK\x06\x07", 0, record, 1))
-        entries = 0xFFFF if zip64 else count
-        self._write(
-            struct.pack(
-                "<4sHHHHIIH",
-                b"PK\x05\x06",
-                0,
-                0,
-                entries,
-                entries,
-                _SENTINEL if zip64 else size,
-                _SENTINEL if zip64 else start,
-                0,
-            )
-        )
-
-
 def write_preamble(writer: TorchFileWriter, pickled: bytes) -> None:
+    """The records ``torch.save`` writes before the storages: the pickle, then its format."""
     writer.write_record("data.pkl", pickled)
     writer.write_record(".format_version", b"1")
     writer.write_record(".storage_alignment", str(STORAGE_ALIGNMENT).encode())
@@ -272,6 +110,7 @@ def write_preamble(writer: TorchFileWriter, pickled: bytes) -> None:
 
 
 def write_postamble(writer: TorchFileWriter) -> None:
+    """The record after the storages, then the zip's central directory."""
     writer.write_record("version", b"3\n")
     writer.close()
 
@@ -293,7 +132,7 @@ def _preamble(tensor: torch.Tensor) -> _Preamble:
     out = io.BytesIO()
     writer = TorchFileWriter(out)
     write_preamble(writer, _pickled_tensor(tensor.dtype, tuple(tensor.shape)))
-    return out.getvalue(), writer._central
+    return out.getvalue(), writer.central
 
 
 def _frame_after(preamble: _Preamble, tensor: torch.Tensor, place: Placement | None) -> tuple[bytes, bytes]:
@@ -305,8 +144,7 @@ def _frame_after(preamble: _Preamble, tensor: torch.Tensor, place: Placement | N
         nonlocal head_len
         head_len = out.tell()
 
-    writer = TorchFileWriter(out)
-    writer.pos, writer._central = len(records), list(central)  # as if it had just written them
+    writer = TorchFileWriter(out, pos=len(records), central=central)  # as if it had just written them
     writer.write_record("data/0", tensor_memory(tensor), align=True, place=place, write_data=skip_data)
     write_postamble(writer)
     rest = out.getvalue()
@@ -355,40 +193,13 @@ def write_tensor_payload(
     if write_data is not None:
         write_data(view)
     else:
-        _write_in_slices(out, view)
+        write_in_slices(out, view)
     out.write(tail)
 
 
 # ---------------------------------------------------------------------------------------------
 # reading
 # ---------------------------------------------------------------------------------------------
-def single_record_offset(data: bytes | memoryview, nbytes: int) -> int | None:
-    """Offset of the tensor bytes inside a ``torch.save`` payload holding exactly one storage
-    of ``nbytes`` little-endian bytes, stored uncompressed; None for anything else."""
-    if sys.byteorder != "little":
-        return None
-    try:
-        with zipfile.ZipFile(io.BytesIO(data)) as archive:
-            infos = archive.infolist()
-            records = [i for i in infos if "/data/" in i.filename and not i.filename.endswith("/")]
-            byteorder = [i for i in infos if i.filename.endswith("/byteorder")]
-            if len(records) != 1 or records[0].compress_type != zipfile.ZIP_STORED:
-                return None
-            if byteorder and archive.read(byteorder[0]) != b"little":  # (small records carry real CRCs)
-                return None
-            info = records[0]
-    except (zipfile.BadZipFile, ValueError, KeyError):
-        return None
-    if info.file_size != nbytes:
-        return None
-    header = info.header_offset
-    if header + _LOCAL_HEADER_SIZE > len(data) or bytes(data[header : header + 4]) != _LOCAL_HEADER:
-        return None
-    name_len, extra_len = struct.unpack_from("<HH", data, header + 26)
-    start = header + _LOCAL_HEADER_SIZE + name_len + extra_len
-    return start if start + nbytes <= len(data) else None
-
-
 def tensor_from_payload(data: bytes, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """The tensor a ``torch.save`` payload of a contiguous ``shape``/``dtype`` tensor holds:
     a read-only view over ``data`` where it can be, else ``torch.load(weights_only=True)``."""

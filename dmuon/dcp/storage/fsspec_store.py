@@ -12,14 +12,20 @@ from __future__ import annotations
 import builtins
 import contextlib
 import errno
+import logging
 import os
 from collections.abc import Iterator
 from typing import Any, BinaryIO, cast
 
-from .base import RetryPolicy, checked_name, endpoint_unreachable, exception_chain
-from .s3_transfer import S3_PART_BYTES, S3_UPLOAD_CONCURRENCY, S3ParallelReader, S3ParallelWriter
+import fsspec
 
-__all__ = ["S3_PART_BYTES", "S3_UPLOAD_CONCURRENCY", "FsspecStore"]
+from .base import checked_name
+from .retry import RetryPolicy, endpoint_unreachable, exception_chain
+from .s3_transfer import S3ParallelReader, S3ParallelWriter
+
+__all__ = ["S3_REQUEST_RETRIES", "FsspecStore", "open_fsspec_store"]
+
+log = logging.getLogger(__name__)
 
 
 def _quiet_gcsfs_probe() -> None:
@@ -89,8 +95,6 @@ class FsspecStore:
     retry = RetryPolicy(attempts=4, backoff_s=0.5)
 
     def __init__(self, url: str, storage_options: dict | None = None) -> None:
-        import fsspec
-
         if url.split("://", 1)[0] in ("gs", "gcs"):
             _quiet_gcsfs_probe()
         fs, path = fsspec.core.url_to_fs(url, **_bounded_s3_retries(url, storage_options or {}))
@@ -240,6 +244,14 @@ class FsspecStore:
             with contextlib.suppress(FileNotFoundError):
                 self.fs.call_s3("delete_object", Bucket=bucket, Key=key.rstrip("/") + "/")
             self.fs.invalidate_cache(self.root)
+
+
+def open_fsspec_store(url: str, storage_options: dict | None, sync_files: bool | None) -> FsspecStore:
+    """The registry's factory for every scheme without a backend of its own: ``storage_options``
+    go to fsspec (endpoint, credentials); there is no fsync to ask for."""
+    if sync_files:
+        log.info("sync_files ignored for %s: object stores have no fsync", url)
+    return FsspecStore(url, storage_options)
 
 
 def _is_precondition_failure(exc: BaseException) -> bool:

@@ -10,30 +10,32 @@ page cache (:class:`DirectFile`), where that is faster in wall time on the files
 from __future__ import annotations
 
 import builtins
-import collections
 import contextlib
 import errno
 import logging
-import mmap
 import os
-import queue
 import re
 import shutil
-import threading
 import uuid
 from collections.abc import Iterator
 from typing import BinaryIO, cast
 
-import numpy
-
-from ..format.layout import temp_name
-from .base import RetryPolicy, checked_name
+from .base import checked_name, temp_name
+from .direct_io import O_DIRECT, DirectFile
+from .retry import RetryPolicy
 from .write_path import choose_write_path
 
-__all__ = ["DIRECT_IO_FILESYSTEMS", "DirectFile", "LocalStore", "filesystem_type"]
+__all__ = ["DIRECT_IO_FILESYSTEMS", "LOCAL_DIRECT_IO_OPTION", "LocalStore", "filesystem_type", "open_local_store"]
 
 log = logging.getLogger(__name__)
-_O_DIRECT = getattr(os, "O_DIRECT", 0)  # Linux (and a few others) only
+
+#: The one storage option a local path takes (``LocalStore``'s ``direct_io``).
+LOCAL_DIRECT_IO_OPTION = "direct_io"
+
+# Filesystems on a block device whose O_DIRECT is plain (no network or cluster semantics, no
+# data checksums that a buffer could race with): there the probe of write_path.py decides.
+# Elsewhere (tmpfs, NFS, Lustre, btrfs, ...) files are written through the page cache.
+DIRECT_IO_FILESYSTEMS = frozenset({"ext4", "xfs"})
 
 
 class LocalStore:
@@ -54,9 +56,9 @@ class LocalStore:
     def _use_direct_io(self) -> bool:
         if self._direct is None:
             if self.direct_io is None:
-                plain = bool(_O_DIRECT) and filesystem_type(self.root) in DIRECT_IO_FILESYSTEMS
+                plain = bool(O_DIRECT) and filesystem_type(self.root) in DIRECT_IO_FILESYSTEMS
                 self._direct = choose_write_path(self.root, plain).direct
-            elif self.direct_io and not _O_DIRECT:
+            elif self.direct_io and not O_DIRECT:
                 raise ValueError(f"direct_io=True for {self.root}, but this platform has no O_DIRECT")
             else:
                 self._direct = self.direct_io
@@ -161,23 +163,6 @@ class LocalStore:
         shutil.rmtree(self.root, ignore_errors=True)
 
 
-# ---------------------------------------------------------------------------------------------
-# direct I/O: large files written from an aligned staging buffer, past the page cache
-# ---------------------------------------------------------------------------------------------
-# Filesystems on a block device whose O_DIRECT is plain (no network or cluster semantics, no
-# data checksums that a buffer could race with): there the probe of write_path.py decides.
-# Elsewhere (tmpfs, NFS, Lustre, btrfs, ...) files are written through the page cache.
-DIRECT_IO_FILESYSTEMS = frozenset({"ext4", "xfs"})
-DIRECT_IO_ALIGN = 4096  # offset, length and address alignment O_DIRECT needs (>= logical block size)
-STAGING_BYTES = 8 << 20  # per staging buffer; two per open file
-# Borrowed writes (DirectFile.write_borrowed): below this size a buffer is copied, since lining
-# it up costs the writer up to DIRECT_IO_ALIGN bytes of padding in the file (<= 0.4% here).
-BORROW_MIN_BYTES = 1 << 20
-# Caller memory the background thread may still be reading: bounds how much a caller's
-# temporary buffers (a GPU tensor's CPU copy, say) are kept alive by writes in flight.
-MAX_BORROWED_BYTES = 64 << 20
-
-
 def filesystem_type(path: str) -> str:
     """The type of the filesystem mounted at the deepest mount point above ``path`` (Linux,
     from ``/proc/self/mounts``); "" where that cannot be told."""
@@ -200,193 +185,18 @@ def filesystem_type(path: str) -> str:
     return kind
 
 
-class DirectFile:
-    """A write-only file that bypasses the page cache (``O_DIRECT``), for checkpoint data.
-
-    Why: a buffered write copies every byte into page-cache pages the kernel must allocate and
-    later write back; on many machines (VMs above all) that costs several times the CPU of the
-    write itself, and the pages then evict the training job's own cache.
-
-    Two ways in. :meth:`write` copies the caller's bytes into one of two page-aligned staging
-    buffers while a background thread writes the other one to the device (``os.pwrite``
-    releases the GIL), so the copy, the caller's checksum and the device overlap.
-    :meth:`write_borrowed` skips the copy where it can: when the buffer's address and the
-    file position are congruent modulo :data:`DIRECT_IO_ALIGN` (the writer pads its file to
-    make them so), the aligned middle of the buffer goes to the device straight from the
-    caller's memory, and only the unaligned ends are staged. Either way data goes out at
-    aligned offsets in aligned lengths; ``flush()`` writes the unaligned tail through a second,
-    buffered descriptor and keeps it staged, so a later write continues from an aligned
-    offset. A write that failed in the background is raised by the next ``write`` or
-    ``flush``.
-    """
-
-    memory_alignment = DIRECT_IO_ALIGN
-    borrow_min_bytes = BORROW_MIN_BYTES
-
-    def __init__(self, path: str) -> None:
-        self._path = path
-        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _O_DIRECT, 0o644)
-        self._tail_fd: int | None = None
-        self._maps = [mmap.mmap(-1, STAGING_BYTES) for _ in range(2)]
-        self._views = [memoryview(staging) for staging in self._maps]
-        self._filling, self._filled = self._views[0], 0  # the buffer being filled, bytes in it
-        self._base = 0  # file offset of self._filling[0]; always aligned
-        self._free: queue.SimpleQueue = queue.SimpleQueue()
-        self._free.put(self._views[1])
-        # (buffers written as one, file offset, staging buffer to hand back or None, Event set
-        # when written or None); None stops the thread. Jobs run in order, one at a time.
-        self._jobs: queue.Queue = queue.Queue()
-        self._borrowed: collections.deque = collections.deque()  # (Event, nbytes) of borrowed jobs
-        self._borrowed_bytes = 0
-        self.in_place_bytes = 0  # bytes handed to the device straight from callers' memory
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._write_jobs, name="dmuon-direct-write", daemon=True)
-        self._thread.start()
-
-    def fileno(self) -> int:
-        return self._fd
-
-    def write(self, data) -> int:
-        view = memoryview(data).cast("B")
-        total = view.nbytes
-        while view.nbytes:
-            take = min(STAGING_BYTES - self._filled, view.nbytes)
-            self._filling[self._filled : self._filled + take] = view[:take]
-            self._filled += take
-            view = view[take:]
-            if self._filled == STAGING_BYTES:
-                self._hand_over_staging()
-        return total
-
-    def write_borrowed(self, data) -> int:
-        """:meth:`write`, but a large buffer lined up with the file (address congruent to the
-        file position modulo :data:`DIRECT_IO_ALIGN`) is written from its own memory by the
-        background thread: the caller must leave it unchanged until :meth:`flush` returns."""
-        view = memoryview(data).cast("B")
-        to_boundary = -(self._base + self._filled) % DIRECT_IO_ALIGN
-        in_place = (view.nbytes - to_boundary) // DIRECT_IO_ALIGN * DIRECT_IO_ALIGN
-        if in_place < self.borrow_min_bytes or (_address(view) + to_boundary) % DIRECT_IO_ALIGN:
-            return self.write(view)
-        self.write(view[:to_boundary])  # the file position is now aligned, and so is the rest
-        while self._borrowed and self._borrowed_bytes + in_place > MAX_BORROWED_BYTES:
-            done, nbytes = self._borrowed.popleft()
-            done.wait()
-            self._borrowed_bytes -= nbytes
-        done = threading.Event()
-        self._borrowed.append((done, in_place))
-        self._borrowed_bytes += in_place
-        self.in_place_bytes += in_place
-        # what is staged goes out in the same request: a small write of its own would wait
-        # behind other writers' large ones in the device's queue
-        self._hand_over_staging(view[to_boundary : to_boundary + in_place], done)
-        self.write(view[to_boundary + in_place :])
-        return view.nbytes
-
-    def _hand_over_staging(self, borrowed: memoryview | None = None, done: threading.Event | None = None) -> None:
-        """Queue the filled part of the staging buffer (an aligned length), followed in the
-        file by ``borrowed`` if given, and take the other buffer back once the thread has
-        written it."""
-        buffers = [self._filling[: self._filled]] if self._filled else []
-        if borrowed is not None:
-            buffers.append(borrowed)
-        self._jobs.put((buffers, self._base, self._filling if self._filled else None, done))
-        self._base += sum(buffer.nbytes for buffer in buffers)
-        if self._filled:
-            self._filling, self._filled = self._free.get(), 0
-        self._raise_failure()
-
-    def flush(self) -> None:
-        """Everything written so far is in the file (durable after an fsync)."""
-        aligned = self._filled - self._filled % DIRECT_IO_ALIGN
-        if aligned:
-            self._jobs.put(([self._filling[:aligned]], self._base, None, None))
-        self._jobs.join()
-        self._borrowed.clear()  # all written: the caller may change those buffers again
-        self._borrowed_bytes = 0
-        self._raise_failure()
-        tail = self._filling[aligned : self._filled]
-        if tail.nbytes:
-            _pwrite_all(self._buffered_fd(), tail, self._base + aligned)
-        if aligned:
-            self._filling[: tail.nbytes] = tail
-            self._base += aligned
-            self._filled = tail.nbytes
-        tail.release()
-
-    def _buffered_fd(self) -> int:
-        """A second descriptor without O_DIRECT, for writes that cannot be aligned."""
-        if self._tail_fd is None:
-            self._tail_fd = os.open(self._path, os.O_WRONLY)
-        return self._tail_fd
-
-    def _write_direct(self, buffers: list[memoryview], offset: int) -> None:
-        """Near a limit (disk full, file-size limit) the kernel shortens a write to an
-        unaligned length, which O_DIRECT refuses (EINVAL) or leaves an unaligned rest; the
-        buffered descriptor then writes what it can and raises the real error."""
-        try:
-            written = os.pwritev(self._fd, buffers, offset)
-        except OSError as error:
-            if error.errno != errno.EINVAL:
-                raise
-            written = 0
-        for buffer in buffers:
-            if written < buffer.nbytes:
-                _pwrite_all(self._buffered_fd(), buffer[written:], offset + written)
-            offset += buffer.nbytes
-            written = max(written - buffer.nbytes, 0)
-
-    def _write_jobs(self) -> None:
-        while True:
-            job = self._jobs.get()
-            try:
-                if job is None:
-                    return
-                buffers, offset, staging, done = job
-                if self._error is None:
-                    try:
-                        self._write_direct(buffers, offset)
-                    except BaseException as error:  # raised in the caller's thread
-                        self._error = error
-                for buffer in buffers:
-                    buffer.release()
-                if staging is not None:
-                    self._free.put(staging)
-                if done is not None:
-                    done.set()
-            finally:
-                self._jobs.task_done()
-
-    def _raise_failure(self) -> None:
-        error = self._error
-        if isinstance(error, OSError):
-            raise OSError(error.errno, f"{error.strerror or error} (writing {self._path})") from error
-        if error is not None:
-            raise error
-
-    def close(self) -> None:
-        """Stops the background thread and frees the staging buffers; writes nothing more."""
-        if self._thread.is_alive():
-            self._jobs.put(None)
-            self._thread.join()
-        self._borrowed.clear()
-        for fd in (self._fd, self._tail_fd):
-            if fd is not None:
-                with contextlib.suppress(OSError):
-                    os.close(fd)
-        self._tail_fd = None
-        for view in self._views:
-            view.release()
-        for staging in self._maps:
-            with contextlib.suppress(BufferError):  # a slice still referenced somewhere
-                staging.close()
-
-
-def _address(view: memoryview) -> int:
-    """Where a buffer's first byte lies in memory."""
-    return int(numpy.frombuffer(view, dtype=numpy.uint8).ctypes.data)
-
-
-def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
-    while view.nbytes:
-        written = os.pwrite(fd, view, offset)
-        view, offset = view[written:], offset + written
+def open_local_store(url: str, storage_options: dict | None, sync_files: bool | None) -> LocalStore:
+    """The registry's factory for plain paths and ``file://`` URLs: a local directory, fsynced
+    unless ``sync_files=False``. The only option it takes is ``direct_io`` (true, false, or
+    null for automatic); any other is an error rather than silently ignored."""
+    path = url[len("file://") :] if url.startswith("file://") else url
+    options = dict(storage_options or {})
+    direct_io = options.pop(LOCAL_DIRECT_IO_OPTION, None)
+    if options:
+        raise ValueError(
+            f"storage_options {sorted(options)} do not apply to the local path {url}: a local "
+            f"directory takes only {LOCAL_DIRECT_IO_OPTION!r} (true, false, or null for automatic)"
+        )
+    if direct_io not in (None, True, False):
+        raise ValueError(f"storage option {LOCAL_DIRECT_IO_OPTION}={direct_io!r}: want true, false or null")
+    return LocalStore(path, sync_files=True if sync_files is None else sync_files, direct_io=direct_io)

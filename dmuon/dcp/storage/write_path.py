@@ -13,11 +13,11 @@ answer for that filesystem in this process:
 * direct I/O is chosen only when it takes at most ``DIRECT_MARGIN`` of the buffered wall time
   (a buffered write also leaves the data cached for a load right after);
 * a filesystem that refuses ``O_DIRECT``, or whose ``O_DIRECT`` is not plain (tmpfs, network
-  and cluster filesystems, btrfs: ``local_store.DIRECT_IO_FILESYSTEMS``), gets buffered
+  and cluster filesystems, btrfs: ``local.DIRECT_IO_FILESYSTEMS``), gets buffered
   writes without a probe.
 
 The explicit ``direct_io=`` storage option skips all this and wins. Each choice is logged once
-(logger ``dmuon.dcp.write_path``, INFO) with both timings; :func:`known_choices` lists them
+(logger ``dmuon.dcp.storage.write_path``, INFO) with both timings; :func:`known_choices` lists them
 and :func:`forget_choices` drops them (the next write probes again).
 """
 
@@ -33,6 +33,8 @@ import time
 import uuid
 from dataclasses import dataclass
 
+from .direct_io import O_DIRECT
+
 __all__ = ["DIRECT_MARGIN", "PROBE_BYTES", "WritePathChoice", "choose_write_path", "forget_choices", "known_choices"]
 
 log = logging.getLogger(__name__)
@@ -40,7 +42,6 @@ log = logging.getLogger(__name__)
 PROBE_BYTES = 32 << 20
 DIRECT_MARGIN = 0.85
 _CHUNK = 256 << 10  # page-aligned (mmap): what O_DIRECT needs of memory
-_O_DIRECT = getattr(os, "O_DIRECT", 0)
 _PROBE_PREFIX = ".dmuon-write-probe-"
 
 
@@ -128,7 +129,7 @@ def _probe(root: str) -> WritePathChoice:
 
 def _timed_write(path: str, chunk: memoryview, direct: bool) -> float:
     start = time.perf_counter()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (_O_DIRECT if direct else 0), 0o644)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (O_DIRECT if direct else 0), 0o644)
     try:
         for index in range(PROBE_BYTES // chunk.nbytes):
             os.pwrite(fd, chunk, index * chunk.nbytes)

@@ -1,11 +1,12 @@
-"""dmuon's writer of the torch.save format: torch.load reads it, zip readers parse it."""
+"""dmuon's writer of the torch.save format (format/torch_file.py, format/torch_zip.py): torch.load
+reads it, zip readers parse it."""
 import io
 import zipfile
 
 import pytest
 import torch
 
-from dmuon.dcp.format import torch_file
+from dmuon.dcp.format import tensor_bytes, torch_file, torch_zip
 
 
 @pytest.mark.parametrize("tensor", [
@@ -24,14 +25,14 @@ def test_a_written_payload_loads_with_torch_and_as_a_view(tensor):
     assert torch.equal(torch_file.tensor_from_payload(data, tuple(tensor.shape), tensor.dtype), tensor)
     with zipfile.ZipFile(io.BytesIO(data)) as archive:
         [record] = [i for i in archive.infolist() if "/data/" in i.filename]
-    start = torch_file.single_record_offset(data, tensor.numel() * tensor.element_size())
+    start = torch_zip.single_record_offset(data, tensor.numel() * tensor.element_size())
     if tensor.numel():
-        assert start is not None and start % torch_file.STORAGE_ALIGNMENT == 0
+        assert start is not None and start % torch_zip.STORAGE_ALIGNMENT == 0
         assert record.file_size == tensor.numel() * tensor.element_size()
 
 
 def test_zip64_records_and_offsets_load(monkeypatch):
-    monkeypatch.setattr(torch_file, "_ZIP64_LIMIT", 64)  # every record and offset past "4 GiB"
+    monkeypatch.setattr(torch_zip, "_ZIP64_LIMIT", 64)  # every record and offset past "4 GiB"
     tensor = torch.arange(100, dtype=torch.float32)
     out = io.BytesIO()
     torch_file.write_tensor_payload(out, tensor)
@@ -43,12 +44,12 @@ def test_zip64_records_and_offsets_load(monkeypatch):
 def test_a_multi_tensor_file_with_shared_storages_loads():
     a, b = torch.randn(4, 4), torch.arange(3.0)
     out = io.BytesIO()
-    writer = torch_file.TorchFileWriter(out)
+    writer = torch_zip.TorchFileWriter(out)
     pickled = torch_file.pickled_tensors({"a": ("0", a.dtype, (4, 4)), "tied": ("0", a.dtype, (4, 4)),
                                           "b": ("1", b.dtype, (3,))})
     torch_file.write_preamble(writer, pickled)
-    writer.write_record("data/0", torch_file.tensor_memory(a), align=True)
-    writer.write_record("data/1", torch_file.tensor_memory(b), align=True)
+    writer.write_record("data/0", tensor_bytes.tensor_memory(a), align=True)
+    writer.write_record("data/1", tensor_bytes.tensor_memory(b), align=True)
     torch_file.write_postamble(writer)
     loaded = torch.load(io.BytesIO(out.getvalue()), weights_only=True)
     assert list(loaded) == ["a", "tied", "b"]
@@ -59,9 +60,9 @@ def test_a_multi_tensor_file_with_shared_storages_loads():
 def _in_one_go(tensor: torch.Tensor, place) -> bytes:
     """The payload written by one TorchFileWriter, record after record (no cached framing)."""
     out = io.BytesIO()
-    writer = torch_file.TorchFileWriter(out)
+    writer = torch_zip.TorchFileWriter(out)
     torch_file.write_preamble(writer, torch_file._pickled_tensor(tensor.dtype, tuple(tensor.shape)))
-    writer.write_record("data/0", torch_file.tensor_memory(tensor), align=True, place=place)
+    writer.write_record("data/0", tensor_bytes.tensor_memory(tensor), align=True, place=place)
     torch_file.write_postamble(writer)
     return out.getvalue()
 
@@ -75,8 +76,8 @@ def test_cached_frames_write_the_same_bytes_as_one_writer_and_place_the_data(pla
         torch_file.write_tensor_payload(cached, tensor, frames=frames, place=place)
         payload = cached.getvalue()
         assert payload == _in_one_go(tensor, place)
-        start = torch_file.single_record_offset(payload, tensor.numel() * tensor.element_size())
-        modulus, residue = place or (torch_file.STORAGE_ALIGNMENT, 0)
+        start = torch_zip.single_record_offset(payload, tensor.numel() * tensor.element_size())
+        modulus, residue = place or (torch_zip.STORAGE_ALIGNMENT, 0)
         assert start is not None and start % modulus == residue
         assert torch.equal(torch.load(io.BytesIO(payload), weights_only=True), tensor)
     assert len(frames._frames) == 3 and len(frames._preambles) == 3  # one per (dtype, shape)

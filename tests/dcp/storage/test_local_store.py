@@ -10,17 +10,10 @@ import numpy
 import pytest
 
 from dmuon.dcp.storage import write_path
-from dmuon.dcp.storage.local import (
-    BORROW_MIN_BYTES,
-    DIRECT_IO_ALIGN,
-    DIRECT_IO_FILESYSTEMS,
-    MAX_BORROWED_BYTES,
-    STAGING_BYTES,
-    DirectFile,
-    LocalStore,
-    filesystem_type,
-)
-from dmuon.dcp.storage.base import LOCAL_DIRECT_IO_OPTION, open_store
+from dmuon.dcp.storage.direct_io import BORROW_MIN_BYTES, DIRECT_IO_ALIGN, MAX_BORROWED_BYTES, STAGING_BYTES, DirectFile
+from dmuon.dcp.storage.local import DIRECT_IO_FILESYSTEMS, LocalStore, filesystem_type
+from dmuon.dcp.storage.local import LOCAL_DIRECT_IO_OPTION
+from dmuon.dcp.storage.registry import open_store
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
 
@@ -199,7 +192,8 @@ _FILE_TOO_BIG = textwrap.dedent("""
     import errno, os, resource, signal, sys
     sys.path.insert(0, {repo!r})
     import mmap
-    from dmuon.dcp.storage.local import LocalStore, STAGING_BYTES
+    from dmuon.dcp.storage.direct_io import STAGING_BYTES
+    from dmuon.dcp.storage.local import LocalStore
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     resource.setrlimit(resource.RLIMIT_FSIZE, (3 * STAGING_BYTES + 512, 3 * STAGING_BYTES + 512))
     store = LocalStore({root!r}, direct_io=True)

@@ -17,7 +17,8 @@ import uuid
 import pytest
 
 from dmuon.dcp.errors import StorageError, UnsafeCheckpointError
-from dmuon.dcp.storage.base import open_store, retrying
+from dmuon.dcp.storage.registry import open_store
+from dmuon.dcp.storage.retry import retrying
 
 BACKENDS = ["local", "memory", "s3", "rgw", "gcs"]
 DATA = os.urandom(3 * 1024 * 1024 + 17)  # several upload parts' worth, and an odd tail

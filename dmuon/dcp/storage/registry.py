@@ -1,0 +1,78 @@
+"""Which store serves a path or URL: the registry of backends by URL scheme.
+
+Built in: plain paths and ``file://`` are local directories (``local.LocalStore``), and every
+other scheme goes to fsspec (``fsspec_store.FsspecStore``: S3, GCS, Azure, ``memory://``...).
+:func:`register_store` puts a backend of one's own in front of them for a scheme.
+
+Paths and URLs are understood here and nowhere else in dmuon: the layers above hand a location
+to :func:`open_store` and work with the :class:`~.base.Store` it returns.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
+
+from .base import Store
+from .fsspec_store import open_fsspec_store
+from .local import open_local_store
+
+__all__ = [
+    "StoreFactory",
+    "is_remote",
+    "open_store",
+    "register_store",
+    "split_location",
+    "unregister_store",
+]
+
+StoreFactory = Callable[[str, "dict | None", "bool | None"], Store]
+"""``factory(url, storage_options, sync_files) -> Store``. ``sync_files``: make each write
+durable before it counts (fsync); ``None`` leaves it to the backend."""
+
+_BUILT_IN: Mapping[str, StoreFactory] = MappingProxyType({"": open_local_store, "file": open_local_store})
+_ANY_OTHER_SCHEME: StoreFactory = open_fsspec_store
+
+_FACTORIES: dict[str, StoreFactory] = {}  # registered by users, in front of the built-in ones
+
+
+def register_store(scheme: str, factory: StoreFactory) -> None:
+    """Make ``open_store`` build ``scheme://...`` URLs with ``factory`` (replaces any earlier one)."""
+    _FACTORIES[scheme] = factory
+
+
+def unregister_store(scheme: str) -> None:
+    """Undo :func:`register_store` for ``scheme``: the built-in backend serves it again."""
+    _FACTORIES.pop(scheme, None)
+
+
+def _scheme(location: str) -> str:
+    return location.split("://", 1)[0] if "://" in location else ""
+
+
+def is_remote(location: str | os.PathLike) -> bool:
+    """Is ``location`` a URL of another scheme than ``file://`` (not a local path)?"""
+    text = os.fspath(location)
+    return "://" in text and not text.startswith("file://")
+
+
+def open_store(
+    location: str | os.PathLike, storage_options: dict | None = None, sync_files: bool | None = None
+) -> Store:
+    """The store for a local path or URL: a registered factory for its scheme, else a local
+    directory (plain paths, ``file://``) or fsspec (any other scheme)."""
+    text = os.fspath(location)
+    scheme = _scheme(text)
+    factory = _FACTORIES.get(scheme) or _BUILT_IN.get(scheme, _ANY_OTHER_SCHEME)
+    return factory(text, storage_options, sync_files)
+
+
+def split_location(location: str | os.PathLike) -> tuple[str, str]:
+    """(the directory, the file name) of a file's path or URL; a relative local path is made
+    absolute first."""
+    text = os.fspath(location).rstrip("/")
+    if _scheme(text):
+        head, _, name = text.rpartition("/")
+        return head, name
+    return os.path.split(os.path.abspath(text))

@@ -1,0 +1,133 @@
+"""The shape of the package (docs/architecture.md): module size, one-way imports, no cycles.
+
+Read from the source with ``ast``, not by importing: an import cycle hidden inside a function
+would not show at import time, and these checks are about what the code says.
+"""
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "dmuon"
+MAX_LINES = 400
+# the demo is an application of the whole package: it imports the backend when it runs
+APPLICATIONS = {"dmuon.demo"}
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def imports_of(name: str, *, top_level: bool) -> set[str]:
+    """The dmuon modules ``name`` imports, at module level or (``top_level=False``) anywhere
+    else: inside functions and methods."""
+    path = MODULES[name]
+    tree = ast.parse(path.read_text())
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    module_level = {id(node) for node in tree.body}
+    found = set()
+    for node in ast.walk(tree):
+        if top_level != (id(node) in module_level):
+            continue
+        if isinstance(node, ast.ImportFrom):
+            base = package.split(".")
+            if node.level:
+                base = base[: len(base) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            candidates = [target] + [f"{target}.{alias.name}" for alias in node.names]
+        elif isinstance(node, ast.Import):
+            candidates = [alias.name for alias in node.names]
+        else:
+            continue
+        found |= {c for c in candidates if c in MODULES}
+    return found
+
+
+def with_packages(importer: str, names: set[str]) -> set[str]:
+    """Importing ``a.b.c`` runs ``a`` and ``a.b`` first, except the packages that hold the
+    importer itself: they are already being initialised when it runs."""
+    parts = importer.split(".")
+    own = {".".join(parts[:i]) for i in range(1, len(parts))}
+    out = set()
+    for name in names:
+        target = name.split(".")
+        out |= {".".join(target[: i + 1]) for i in range(len(target))}
+    return out - own - {importer}
+
+
+GRAPH = {name: with_packages(name, imports_of(name, top_level=True)) for name in MODULES}
+
+
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_no_module_is_over_400_lines(name):
+    lines = len(MODULES[name].read_text().splitlines())
+    assert lines <= MAX_LINES, f"{name} has {lines} lines"
+
+
+def test_no_import_cycle():
+    done: set[str] = set()
+
+    def visit(name: str, path: list[str]) -> None:
+        if name in path:
+            pytest.fail("import cycle: " + " -> ".join(path[path.index(name):] + [name]))
+        if name in done:
+            return
+        for target in sorted(GRAPH[name]):
+            # a package importing its own submodules is how a package is built, not a cycle
+            if not target.startswith(name + "."):
+                visit(target, path + [name])
+        done.add(name)
+
+    for name in sorted(MODULES):
+        visit(name, [])
+
+
+def test_no_dmuon_import_is_hidden_inside_a_function():
+    hidden = {name: imports_of(name, top_level=False) for name in MODULES if name not in APPLICATIONS}
+    assert {name: found for name, found in hidden.items() if found} == {}
+
+
+def reaches(name: str) -> set[str]:
+    seen: set[str] = set()
+    todo = [name]
+    while todo:
+        for target in GRAPH[todo.pop()]:
+            if target not in seen:
+                seen.add(target)
+                todo.append(target)
+    return seen
+
+
+def test_the_runtime_never_imports_the_backend():
+    runtime = [n for n in MODULES if not n.startswith("dmuon.dcp") and n not in APPLICATIONS and n != "dmuon"]
+    assert {n: sorted(t for t in reaches(n) if t.startswith("dmuon.dcp")) for n in runtime} == {n: [] for n in runtime}
+
+
+MODEL_MODULES = ("dmuon.dedicate", "dmuon.dedicated", "dmuon.optim", "dmuon.state_dict", "dmuon.dcp.app_state")
+
+
+@pytest.mark.parametrize("subpackage", ["dmuon.dcp.storage", "dmuon.dcp.format"])
+def test_storage_and_format_know_nothing_of_models(subpackage):
+    for name in (n for n in MODULES if n.startswith(subpackage)):
+        model = sorted(t for t in reaches(name) if t.startswith(MODEL_MODULES) or t == "dmuon.dcp.planner")
+        assert model == [], f"{name} reaches {model}"
+
+
+def test_storage_knows_nothing_of_the_format():
+    for name in (n for n in MODULES if n.startswith("dmuon.dcp.storage")):
+        assert not any(t.startswith("dmuon.dcp.format") for t in reaches(name)), name
+
+
+URL_MODULES = ("dmuon.dcp.storage.registry", "dmuon.dcp.storage.local", "dmuon.dcp.storage.fsspec_store")
+
+
+@pytest.mark.parametrize("name", ["dmuon.dcp.planner", "dmuon.dcp.plan_cache", "dmuon.dcp.app_state"])
+def test_planners_know_nothing_of_urls(name):
+    assert not any(t.startswith(URL_MODULES) for t in reaches(name)), sorted(reaches(name))
