@@ -23,6 +23,7 @@ from typing import BinaryIO, cast
 from .base import checked_name, temp_name
 from .direct_io import O_DIRECT, DirectFile
 from .retry import RetryPolicy
+from .write_behind import WriteBehindFile
 from .write_path import choose_write_path
 
 __all__ = ["DIRECT_IO_FILESYSTEMS", "LOCAL_DIRECT_IO_OPTION", "LocalStore", "filesystem_type", "open_local_store"]
@@ -107,6 +108,8 @@ class LocalStore:
                 # the filesystem refuses O_DIRECT after all: buffered from now on
                 log.info("direct I/O refused under %s (%s); writing through the page cache", self.root, error)
                 self._direct = False
+        if self.sync_files:  # (it is fsynced at the end: start writing it back now)
+            return cast(BinaryIO, WriteBehindFile(path))
         return open(path, "wb")
 
     def open_read(self, name: str) -> BinaryIO:
