@@ -20,22 +20,14 @@ from __future__ import annotations
 import argparse
 import multiprocessing
 import os
-import resource
 import statistics
-import sys
 import tempfile
 import time
 
-REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
-sys.path.insert(0, REPO)
+from harness import cpu_seconds
 
 METHODS = ("copy", "borrowed")
 HEAD, TAIL, BLOCK = 300, 200, 16 << 10
-
-
-def _cpu_seconds() -> float:
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
 
 
 def _write_file(path: str, tensors: list, method: str) -> int:
@@ -74,9 +66,9 @@ def _process(index: int, args, barrier, results) -> None:
         order = METHODS if repeat % 2 == 0 else METHODS[::-1]
         for method in order:
             barrier.wait()
-            t0, c0 = time.perf_counter(), _cpu_seconds()
+            t0, c0 = time.perf_counter(), cpu_seconds()
             in_place = _write_file(os.path.join(args.dir, f"direct-write-{os.getpid()}"), tensors, method)
-            sample = (time.perf_counter() - t0, _cpu_seconds() - c0, in_place)
+            sample = (time.perf_counter() - t0, cpu_seconds() - c0, in_place)
             if repeat >= 0:
                 samples[method].append(sample)
     results.put((index, samples))

@@ -42,19 +42,16 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base, secs)
 
 
 def save_worker(rank, world, path, n):
-    import torch
+
+    from save_load import build
 
     import dmuon.dcp as ddcp
-    from tests.helpers.setup import make_mesh, shard_model
 
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024, bias=False) for _ in range(n)])
-    shard_model(model, make_mesh(), lambda name, p: int(name.split(".")[0]) % 2 == 0, wrap=())
-    ddcp.save(model, None, path)
+    ddcp.save(build(n, dedicated=True), None, path)
 
 
 def main():
-    from tests.helpers.launch import run_ranks
+    from harness import run_ranks
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--mib", type=int, default=512)

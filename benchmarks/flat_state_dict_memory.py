@@ -9,28 +9,19 @@ sharded), so the numbers reported are the growth during ``get_model_state_dict``
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-
-import torch  # noqa: E402
-
-from tests.helpers.launch import run_ranks  # noqa: E402
+from harness import PeakRSS, run_ranks
 
 
 def worker(rank, world, mib):
+    from save_load import build
+
     import dmuon
-    from tests.helpers.memory import PeakRSS, return_freed_memory_to_os
-    from tests.helpers.setup import make_mesh, shard_model
 
     dim = 1024
     n = max(2, mib * 2**20 // (dim * dim * 4))
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Linear(dim, dim, bias=False) for _ in range(n)])
-    shard_model(model, make_mesh(), lambda name, p: int(name.split(".")[0]) % 2 == 0, wrap=())
-    return_freed_memory_to_os()
+    model = build(n, dedicated=True)
     t0 = time.perf_counter()
     with PeakRSS() as rss:
         sd = dmuon.get_model_state_dict(model)

@@ -9,6 +9,7 @@ every rank, results back by pickle); the tests' launcher adds crash reports and 
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import multiprocessing
 import os
@@ -19,6 +20,7 @@ import socket
 import statistics
 import subprocess
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable, Iterable, Sequence
@@ -41,7 +43,7 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _rank_entry(fn, rank: int, world: int, port: int, args: tuple, out_dir: str) -> None:
+def _rank_entry(fn, rank: int, world: int, port: int, args: tuple, kwargs: dict, out_dir: str) -> None:
     import torch
     import torch.distributed as dist
 
@@ -51,23 +53,23 @@ def _rank_entry(fn, rank: int, world: int, port: int, args: tuple, out_dir: str)
     outcome: dict[str, Any]
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=600))
-        outcome = {"result": fn(rank, world, *args)}
+        outcome = {"result": fn(rank, world, *args, **kwargs)}
         dist.destroy_process_group()
-    except BaseException:  # noqa: BLE001 - CheckpointException is a BaseException
+    except BaseException:
         outcome = {"error": traceback.format_exc()}
     with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
         pickle.dump(outcome, f)
 
 
-def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 3600.0) -> list[Any]:
-    """``fn(rank, world, *args)`` on ``world`` gloo ranks; their results by rank.
+def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 3600.0, **kwargs: Any) -> list[Any]:
+    """``fn(rank, world, *args, **kwargs)`` on ``world`` gloo ranks; their results by rank.
 
     A rank that fails makes every other one die (they would wait in a collective forever), and
     so does ``timeout``: the error names the rank and carries its traceback.
     """
     with tempfile.TemporaryDirectory(prefix="dmuon-bench-ranks-") as out_dir:
         port = _free_port()
-        procs = [_CONTEXT.Process(target=_rank_entry, args=(fn, rank, world, port, args, out_dir))
+        procs = [_CONTEXT.Process(target=_rank_entry, args=(fn, rank, world, port, args, kwargs, out_dir))
                  for rank in range(world)]
         for proc in procs:
             proc.start()
@@ -268,7 +270,7 @@ class SeaweedFS:
                 fs.pipe_file(f"{S3_BUCKET}/.ready", b"ok")
                 if fs.cat_file(f"{S3_BUCKET}/.ready") == b"ok":
                     return
-            except Exception as error:  # noqa: BLE001 - not up yet
+            except Exception as error:
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"SeaweedFS not ready after {timeout:.0f} s: {error}") from error
             time.sleep(0.3)
@@ -282,3 +284,43 @@ class SeaweedFS:
                 os.killpg(self._proc.pid, signal.SIGKILL)
                 self._proc.wait(10)
         self._proc = None
+
+
+# ---------------------------------------------------------------------------------------------
+# memory
+# ---------------------------------------------------------------------------------------------
+class PeakRSS:
+    """Resident memory of this process sampled every millisecond while the ``with`` block runs;
+    ``growth``: the peak above where it started. Large frees are returned to the system first
+    (glibc's ``malloc_trim``), so the start is not inflated by memory already given back."""
+
+    def __init__(self, interval: float = 0.001) -> None:
+        import psutil
+
+        self._process = psutil.Process()
+        self._interval = interval
+        self.start = self.peak = 0
+        self._done = threading.Event()
+
+    def __enter__(self) -> PeakRSS:
+        import ctypes
+
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        self.start = self.peak = self._process.memory_info().rss
+        self._sampler = threading.Thread(target=self._sample, daemon=True)
+        self._sampler.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._done.wait(self._interval):
+            self.peak = max(self.peak, self._process.memory_info().rss)
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+        self._sampler.join()
+        self.peak = max(self.peak, self._process.memory_info().rss)
+
+    @property
+    def growth(self) -> int:
+        return self.peak - self.start

@@ -106,7 +106,8 @@ def worker(rank, world, n_matrices, options, prefix, methods, repeats, warmup):
                   lambda url: ddcp.load(model, None, url, storage_options=options)),
         "s3tc": (s3tc_save, s3tc_load),
         "torch": (
-            lambda url: dcp.save(plain_model.state_dict(), storage_writer=FsspecWriter(url, sync_files=False, **options)),
+            lambda url: dcp.save(plain_model.state_dict(),
+                                 storage_writer=FsspecWriter(url, sync_files=False, **options)),
             lambda url: dcp.load(plain_model.state_dict(), storage_reader=FsspecReader(url, **options)),
         ),
     }
@@ -115,8 +116,9 @@ def worker(rank, world, n_matrices, options, prefix, methods, repeats, warmup):
         for method in harness.rotated(methods, repeat):
             url = f"{prefix}/w{world}-r{repeat}-{method}"
             save, load = operations[method]
-            result = {"save": harness.measure(lambda: save(url)), "load": harness.measure(lambda: load(url))}
-            save_load.on_rank_zero(lambda: FsspecStore(url, options).remove_tree())
+            result = {"save": harness.measure(lambda save=save, url=url: save(url)),
+                      "load": harness.measure(lambda load=load, url=url: load(url))}
+            save_load.on_rank_zero(lambda url=url: FsspecStore(url, options).remove_tree())
             if repeat >= 0:
                 for op, sample in result.items():
                     samples[method][op].append(sample)

@@ -21,31 +21,23 @@ from __future__ import annotations
 import argparse
 import mmap
 import os
-import resource
-import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from save_load import _raw_write  # the raw baseline's write + fsync
+from harness import cpu_seconds
+from save_load import raw_write  # the raw baseline's write + fsync
 
 PAGE = mmap.PAGESIZE
 WRITE = 8 << 20  # bytes per write call
 
 
-def _cpu_seconds() -> float:
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
-
-
 def buffered_write_cpu(path: str, nbytes: int, block: bytes) -> float:
     """CPU seconds of one buffered write + fsync of ``nbytes`` (``block`` repeated) to a new
     file, written as ``save_load.py``'s raw baseline writes; the file is removed after."""
-    start = _cpu_seconds()
+    start = cpu_seconds()
     try:
-        _raw_write(path, nbytes, block)
-        return _cpu_seconds() - start
+        raw_write(path, nbytes, block)
+        return cpu_seconds() - start
     finally:
         os.remove(path)
 

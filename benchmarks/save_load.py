@@ -219,10 +219,10 @@ def worker(rank, world, n_matrices, run_dir, methods, repeats, warmup):
                 results[method] = {"block": measure_async(model, path)}
             else:
                 save, load = ops[method]
-                results[method] = {"save": harness.measure(lambda: save(path))}
+                results[method] = {"save": harness.measure(lambda save=save, path=path: save(path))}
                 for state in STATES:  # natural first: right after the save
                     prepare(path, state)
-                    results[method][f"load-{state}"] = harness.measure(lambda: load(path))
+                    results[method][f"load-{state}"] = harness.measure(lambda load=load, path=path: load(path))
             on_rank_zero(shutil.rmtree, path)
         if repeat >= 0:
             orders.append(order)

@@ -37,7 +37,6 @@ import contextlib
 import gc
 import json
 import os
-import resource
 import shlex
 import shutil
 import socket
@@ -51,6 +50,7 @@ REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, REPO)
 
 import torch  # noqa: E402
+from harness import cpu_seconds  # noqa: E402
 
 SHAPE = (32, 32)
 METHODS = ("dmuon", "torch")
@@ -133,20 +133,15 @@ def _build(n_tensors: int, dedicated: bool, replicate: int):
     return model
 
 
-def _cpu() -> float:
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
-
-
 def _measure(fn, clock: dict) -> dict:
     import torch.distributed as dist
 
     gc.collect()
     clock.clear()
     dist.barrier()
-    t0, c0 = time.perf_counter(), _cpu()
+    t0, c0 = time.perf_counter(), cpu_seconds()
     fn()
-    cpu = _cpu() - c0
+    cpu = cpu_seconds() - c0
     dist.barrier()
     return {"wall_s": time.perf_counter() - t0, "cpu_s": cpu, "phases": dict(clock)}
 
@@ -369,7 +364,7 @@ def main(argv=None) -> None:
     if args.torchrun_worker:
         torchrun_main(args)
         return
-    from tests.helpers.launch import run_ranks
+    from harness import run_ranks
 
     print("command: " + " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]))
     print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f}")
