@@ -33,8 +33,8 @@ HEAD, TAIL, BLOCK = 300, 200, 16 << 10
 def _write_file(path: str, tensors: list, method: str) -> int:
     import xxhash
 
-    from dmuon.dcp.local_store import DIRECT_IO_ALIGN, DirectFile
-    from dmuon.dcp.torch_file import tensor_memory
+    from dmuon.dcp.format.tensor_bytes import tensor_memory
+    from dmuon.dcp.storage.direct_io import DIRECT_IO_ALIGN, DirectFile
 
     of = xxhash.xxh3_64_intdigest
     f = DirectFile(path)
@@ -83,7 +83,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=8, help="measured repeats per method (default 8)")
     args = parser.parse_args()
 
-    from dmuon.dcp.local_store import DIRECT_IO_FILESYSTEMS, filesystem_type
+    from dmuon.dcp.storage.local import DIRECT_IO_FILESYSTEMS, filesystem_type
 
     kind = filesystem_type(args.dir)
     if kind not in DIRECT_IO_FILESYSTEMS:

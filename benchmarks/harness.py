@@ -184,7 +184,7 @@ def warm_pages(path: str) -> None:
 
 def fs_type(path: str) -> str:
     """The filesystem type of the nearest existing ancestor of ``path`` (``?`` if unknown)."""
-    from dmuon.dcp.local_store import filesystem_type
+    from dmuon.dcp.storage.local import filesystem_type
 
     path = os.path.abspath(path)
     while not os.path.exists(path):
