@@ -105,7 +105,12 @@ class S3ParallelWriter:
     def _upload_part(self, number: int, part: bytearray) -> None:
         checksum = part_checksum(part)
         answer = self.fs.call_s3(
-            "upload_part", Bucket=self.bucket, Key=self.key, PartNumber=number, UploadId=self._upload_id, Body=part,
+            "upload_part",
+            Bucket=self.bucket,
+            Key=self.key,
+            PartNumber=number,
+            UploadId=self._upload_id,
+            Body=part,
             ChecksumCRC32C=checksum,
         )
         self._etags[number] = (answer["ETag"], checksum)

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import os
 from typing import BinaryIO
 
 __all__ = ["WRITE_BEHIND_WINDOW", "WriteBehindFile", "start_writeback"]
@@ -56,7 +55,7 @@ class WriteBehindFile:
     written; otherwise a plain ``open(path, "wb")`` file (``flush``, ``fileno``, ``close``)."""
 
     def __init__(self, path: str, window: int = WRITE_BEHIND_WINDOW) -> None:
-        self._file: BinaryIO = open(path, "wb")  # noqa: SIM115 - closed by close()
+        self._file: BinaryIO = open(path, "wb")
         self._window = window
         self._written = 0  # bytes handed to write() so far
         self._started = 0  # writeback asked for up to here

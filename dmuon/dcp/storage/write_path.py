@@ -2,23 +2,27 @@
 
 Neither is faster everywhere. Direct I/O (``O_DIRECT``) skips the page cache: less CPU, and the
 training job's cache is left alone, but each write waits for the device, and a load right
-after the save (a job rolling back on the same node) reads the device again. Buffered writes
-end in one ``fsync`` and leave the file in memory for that load. Which costs less wall time
+after the save (a job rolling back to its own latest checkpoint on the same node) reads the
+device again. Buffered writes (with writeback started as they go, ``write_behind.py``) end in
+a short ``fsync`` and leave the file in memory for that load. Which costs less wall time
 depends on the device, the kernel and the VM, not on the filesystem's name, so the first
 streamed write into a filesystem times both, with the same bytes, alternately, and keeps the
 answer for that filesystem in this process:
 
-* ``PROBE_BYTES`` are written and fsynced twice each way into a temporary file of the
-  checkpoint directory (removed after); the minimum of each way is kept;
-* direct I/O is chosen only when it takes at most ``DIRECT_MARGIN`` of the buffered wall time
-  (a buffered write also leaves the data cached for a load right after);
+* each way, ``PROBE_BYTES`` are written and fsynced into a temporary file of the checkpoint
+  directory (removed after), then read back once, as a load right after the save would find
+  them: from memory after a buffered write, from the device after a direct one. Twice each way,
+  alternately; the minimum of each is kept;
+* direct I/O is chosen only when its write plus read-back takes at most ``DIRECT_MARGIN`` of
+  the buffered write plus read-back: a save is never made faster by making the next load of
+  the same node slower than it gains;
 * a filesystem that refuses ``O_DIRECT``, or whose ``O_DIRECT`` is not plain (tmpfs, network
-  and cluster filesystems, btrfs: ``local.DIRECT_IO_FILESYSTEMS``), gets buffered
-  writes without a probe.
+  and cluster filesystems, btrfs: ``local.DIRECT_IO_FILESYSTEMS``), gets buffered writes
+  without a probe.
 
 The explicit ``direct_io=`` storage option skips all this and wins. Each choice is logged once
-(logger ``dmuon.dcp.storage.write_path``, INFO) with both timings; :func:`known_choices` lists them
-and :func:`forget_choices` drops them (the next write probes again).
+(logger ``dmuon.dcp.storage.write_path``, INFO) with the four timings; :func:`known_choices`
+lists them and :func:`forget_choices` drops them (the next write probes again).
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import uuid
 from dataclasses import dataclass
 
 from .direct_io import O_DIRECT
+from .write_behind import WRITE_BEHIND_WINDOW, start_writeback
 
 __all__ = ["DIRECT_MARGIN", "PROBE_BYTES", "WritePathChoice", "choose_write_path", "forget_choices", "known_choices"]
 
@@ -47,21 +52,26 @@ _PROBE_PREFIX = ".dmuon-write-probe-"
 
 @dataclass(frozen=True)
 class WritePathChoice:
-    """What was chosen for one filesystem, and the measurement behind it."""
+    """What was chosen for one filesystem, and the measurement behind it (seconds for
+    ``PROBE_BYTES``: write + fsync, then the read-back a load right after would do)."""
 
     direct: bool
-    buffered_s: float | None
-    direct_s: float | None
     reason: str
+    buffered_s: float | None = None
+    direct_s: float | None = None
+    buffered_read_s: float | None = None
+    direct_read_s: float | None = None
 
     def describe(self) -> str:
         way = "direct I/O" if self.direct else "buffered writes"
-        if self.buffered_s is None or self.direct_s is None:
+        if None in (self.buffered_s, self.direct_s, self.buffered_read_s, self.direct_read_s):
             return f"{way} ({self.reason})"
-        mib = PROBE_BYTES >> 20
+        names = ("buffered_s", "direct_s", "buffered_read_s", "direct_read_s")
+        ms = {name: 1e3 * getattr(self, name) for name in names}
         return (
-            f"{way}: {mib} MiB + fsync took {self.buffered_s * 1e3:.0f} ms buffered, "
-            f"{self.direct_s * 1e3:.0f} ms direct ({self.reason})"
+            f"{way}: {PROBE_BYTES >> 20} MiB written + fsynced, then read back: buffered {ms['buffered_s']:.0f} + "
+            f"{ms['buffered_read_s']:.0f} ms, direct {ms['direct_s']:.0f} + {ms['direct_read_s']:.0f} ms "
+            f"({self.reason})"
         )
 
 
@@ -98,7 +108,7 @@ def choose_write_path(root: str, direct_possible: bool) -> WritePathChoice:
     return known
 
 
-_NOT_AN_OPTION = WritePathChoice(False, None, None, "direct I/O is not an option on this filesystem")
+_NOT_AN_OPTION = WritePathChoice(False, "direct I/O is not an option on this filesystem")
 
 
 def _probe(root: str) -> WritePathChoice:
@@ -107,34 +117,61 @@ def _probe(root: str) -> WritePathChoice:
     chunk = mmap.mmap(-1, _CHUNK)
     chunk.write(os.urandom(_CHUNK))  # (incompressible, whatever the filesystem does with zeros)
     path = os.path.join(root, f"{_PROBE_PREFIX}{uuid.uuid4().hex}")
-    timings: dict[bool, list[float]] = {False: [], True: []}
+    writes: dict[bool, list[float]] = {False: [], True: []}
+    reads: dict[bool, list[float]] = {False: [], True: []}
     try:
         for _ in range(2):
             for direct in (False, True):
                 try:
-                    timings[direct].append(_timed_write(path, memoryview(chunk), direct))
+                    writes[direct].append(_timed_write(path, memoryview(chunk), direct))
                 except OSError as error:
                     if direct and error.errno == errno.EINVAL:
-                        return WritePathChoice(False, None, None, "the filesystem refuses O_DIRECT")
+                        return WritePathChoice(False, "the filesystem refuses O_DIRECT")
                     raise
+                reads[direct].append(_timed_read(path, memoryview(chunk)))
     finally:
         chunk.close()
         with contextlib.suppress(OSError):
             os.remove(path)
-    buffered_s, direct_s = min(timings[False]), min(timings[True])
-    if direct_s <= DIRECT_MARGIN * buffered_s:
-        return WritePathChoice(True, buffered_s, direct_s, f"direct took <= {DIRECT_MARGIN:.0%} of buffered")
-    return WritePathChoice(False, buffered_s, direct_s, f"direct did not beat {DIRECT_MARGIN:.0%} of buffered")
+    timings = {
+        "buffered_s": min(writes[False]),
+        "direct_s": min(writes[True]),
+        "buffered_read_s": min(reads[False]),
+        "direct_read_s": min(reads[True]),
+    }
+    buffered = timings["buffered_s"] + timings["buffered_read_s"]
+    direct = timings["direct_s"] + timings["direct_read_s"]
+    if direct <= DIRECT_MARGIN * buffered:
+        return WritePathChoice(True, f"direct's save and load took <= {DIRECT_MARGIN:.0%} of buffered's", **timings)
+    return WritePathChoice(False, f"direct's save and load did not beat {DIRECT_MARGIN:.0%} of buffered's", **timings)
 
 
 def _timed_write(path: str, chunk: memoryview, direct: bool) -> float:
+    """Write + fsync of ``PROBE_BYTES`` as a save writes them: direct, or buffered with
+    writeback started every window (as :class:`~.write_behind.WriteBehindFile` does)."""
     start = time.perf_counter()
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (O_DIRECT if direct else 0), 0o644)
     try:
+        started = 0
         for index in range(PROBE_BYTES // chunk.nbytes):
             os.pwrite(fd, chunk, index * chunk.nbytes)
+            written = (index + 1) * chunk.nbytes
+            if not direct and written - started >= WRITE_BEHIND_WINDOW:
+                start_writeback(fd, started, written - started)
+                started = written
         os.fsync(fd)
     finally:
         os.close(fd)
-        chunk.release()
+    return time.perf_counter() - start
+
+
+def _timed_read(path: str, chunk: memoryview) -> float:
+    """The file read once through the page cache, as a load right after the save reads it."""
+    start = time.perf_counter()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for index in range(PROBE_BYTES // chunk.nbytes):
+            os.preadv(fd, [chunk], index * chunk.nbytes)
+    finally:
+        os.close(fd)
     return time.perf_counter() - start
