@@ -23,7 +23,7 @@ from .checkpoint import CheckpointListing, open_checkpoint
 from .errors import CheckpointCorruptError
 from .format.manifest import ItemChecksums
 from .format.tensor_bytes import tensor_memory
-from .storage.base import checked_name
+from .storage.base import ReadAheadStream, checked_name
 from .storage.retry import retrying
 
 __all__ = ["DMuonStorageReader", "narrow_to"]
@@ -97,6 +97,7 @@ class DMuonStorageReader(StorageReader):
 
             def read_file(name=name, ordered=ordered):  # redelivering an item is harmless
                 with listing.store.open_read(checked_name(name)) as stream:
+                    ahead = _ReadAhead(stream, [self.storage_data[index] for index, _ in ordered])
                     for first in range(0, len(ordered), _RESOLVE_BATCH):
                         # Destinations are resolved a batch at a time, before the batch's bytes
                         # are read: the per-item Python work (DCP's lookups, shape checks, row
@@ -106,7 +107,8 @@ class DMuonStorageReader(StorageReader):
                             _Delivery(listing, index, reqs, planner)
                             for index, reqs in ordered[first : first + _RESOLVE_BATCH]
                         ]
-                        for delivery in batch:
+                        for k, delivery in enumerate(batch, start=first):
+                            ahead.reading(k)
                             delivery.read(listing, stream, planner)
 
             retrying(listing.store, f"reading {name}", read_file)
@@ -120,6 +122,41 @@ class DMuonStorageReader(StorageReader):
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
         return isinstance(checkpoint_id, (str, os.PathLike))
 
+
+class _ReadAhead:
+    """Tells a stream that can take the hint (:class:`~.storage.base.ReadAheadStream`) which
+    items come next, :data:`READ_AHEAD_BYTES` ahead of the one being read: on a cold local
+    file the device then reads while this rank checksums and copies (measured on a 2-rank
+    512 MiB load with dropped pages: benchmarks/save_load.py, docs/performance.md)."""
+
+    def __init__(self, stream: BinaryIO, items: list[Any]) -> None:
+        self.stream = stream if isinstance(stream, ReadAheadStream) else None
+        self.items = items  # storage infos (offset, length), in file order
+        self.told = 0  # items hinted so far
+
+    def reading(self, k: int) -> None:
+        """Item ``k`` is read now: hint every item that starts within the window after it."""
+        if self.stream is None:
+            return
+        items = self.items
+        horizon = items[k].offset + items[k].length + READ_AHEAD_BYTES
+        run_start = run_end = None  # the byte range of the current run of items to hint
+        while self.told < len(items) and (self.told <= k or items[self.told].offset < horizon):
+            item = items[self.told]
+            if run_start is not None and run_end is not None and item.offset - run_end > _HINT_GAP:
+                # (the bytes between are not read: not hinted)
+                self.stream.will_need(run_start, run_end - run_start)
+                run_start = None
+            if run_start is None:
+                run_start = item.offset
+            run_end = item.offset + item.length
+            self.told += 1
+        if run_start is not None and run_end is not None:
+            self.stream.will_need(run_start, run_end - run_start)
+
+
+READ_AHEAD_BYTES = 64 << 20
+_HINT_GAP = 1 << 20  # bytes between two items that one hint may cover without them being read
 
 # Items whose destinations are resolved before any of their bytes is read: bounds what a planner
 # that allocates in resolve_tensor (none of torch's does) holds at once.

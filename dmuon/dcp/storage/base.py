@@ -22,7 +22,7 @@ from typing import BinaryIO, Protocol, runtime_checkable
 from ..errors import UnsafeCheckpointError
 from .retry import RetryPolicy
 
-__all__ = ["BorrowingStream", "Store", "checked_name", "temp_name", "temp_target"]
+__all__ = ["BorrowingStream", "ReadAheadStream", "Store", "checked_name", "temp_name", "temp_target"]
 
 _TEMP_SUFFIX = ".tmp-"
 _TEMP_FILE = re.compile(r"^(.+)\.tmp-[0-9a-f]+$")
@@ -119,6 +119,21 @@ class BorrowingStream(Protocol):
     def write_borrowed(self, data, /) -> int:
         """``write``, except that the stream may go on reading ``data`` after it returns: the
         caller leaves those bytes unchanged until ``flush()`` (or closing) returns."""
+        ...
+
+
+@runtime_checkable
+class ReadAheadStream(Protocol):
+    """What ``open_read`` may return beyond reads: a stream told which bytes will be read next.
+
+    A reader that knows its next byte ranges says so, a window ahead of where it reads; the
+    backend starts fetching them (a local file: the kernel reads them into the page cache in
+    the background), so the device or the network works while the reader checksums and copies
+    what it already has, instead of waiting at every read.
+    """
+
+    def will_need(self, offset: int, length: int, /) -> None:
+        """``length`` bytes from ``offset`` will be read soon; start fetching them, never wait."""
         ...
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import builtins
 import contextlib
 import errno
+import io
 import logging
 import os
 import re
@@ -113,7 +114,7 @@ class LocalStore:
         return open(path, "wb")
 
     def open_read(self, name: str) -> BinaryIO:
-        return open(self._path(name), "rb")
+        return cast(BinaryIO, LocalReadFile(self._path(name)))
 
     def read(self, name: str) -> bytes:
         with self.open_read(name) as f:
@@ -164,6 +165,22 @@ class LocalStore:
 
     def remove_tree(self) -> None:
         shutil.rmtree(self.root, ignore_errors=True)
+
+
+class LocalReadFile(io.BufferedReader):
+    """A file opened for reading that can be told what will be read next
+    (:class:`~.base.ReadAheadStream`): the kernel's read-ahead only follows one sequential
+    stream a few MiB deep, while a load knows every range it will read, in order."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__(io.FileIO(path, "rb"))
+
+    def will_need(self, offset: int, length: int) -> None:
+        if _FADVISE_WILLNEED is not None and length > 0:
+            os.posix_fadvise(self.fileno(), offset, length, _FADVISE_WILLNEED)
+
+
+_FADVISE_WILLNEED = getattr(os, "POSIX_FADV_WILLNEED", None)  # None: not a POSIX system
 
 
 def filesystem_type(path: str) -> str:

@@ -139,9 +139,9 @@ def _probe(root: str) -> WritePathChoice:
         "buffered_read_s": min(reads[False]),
         "direct_read_s": min(reads[True]),
     }
-    buffered = timings["buffered_s"] + timings["buffered_read_s"]
-    direct = timings["direct_s"] + timings["direct_read_s"]
-    if direct <= DIRECT_MARGIN * buffered:
+    buffered_cycle = timings["buffered_s"] + timings["buffered_read_s"]
+    direct_cycle = timings["direct_s"] + timings["direct_read_s"]
+    if direct_cycle <= DIRECT_MARGIN * buffered_cycle:
         return WritePathChoice(True, f"direct's save and load took <= {DIRECT_MARGIN:.0%} of buffered's", **timings)
     return WritePathChoice(False, f"direct's save and load did not beat {DIRECT_MARGIN:.0%} of buffered's", **timings)
 
