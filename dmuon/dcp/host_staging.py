@@ -1,4 +1,4 @@
-"""Accelerator tensors to host memory for a save: a few reusable buffers, copies overlapped.
+"""Accelerator tensors through host memory: a few reusable buffers, copies overlapped with I/O.
 
 A data file's tensors live on the GPU; the file is written from host memory. Copying each one
 with ``tensor.cpu()`` allocates pageable memory per tensor and blocks until the copy is done,
@@ -11,6 +11,11 @@ default); a tensor larger than a buffer is copied on its own, as before, and cou
 Buffers are reused, so the writer must not lend their memory to a file past the item (a
 direct-I/O write from the caller's memory); :attr:`Staged.reused` tells it so.
 
+Loads run the other way (:class:`DeviceUploads`): an item's bytes are read and verified into a
+free buffer, then copied to the device on a side stream while the next item is read into the
+other buffer; a buffer is refilled only once its copy has finished, and an item is committed to
+the planner only then. The same two buffers of 64 MiB bound it.
+
 The logic is device-agnostic: ``stage_host_tensors=True`` runs the same slot and look-ahead
 bookkeeping for CPU tensors (a plain copy instead of an asynchronous one), which is how the
 CPU tests exercise it.
@@ -19,13 +24,14 @@ CPU tests exercise it.
 from __future__ import annotations
 
 import collections
+import math
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 import torch
 
-__all__ = ["SLOTS", "SLOT_BYTES", "HostStaging", "Staged"]
+__all__ = ["SLOTS", "SLOT_BYTES", "DeviceUploads", "HostStaging", "Staged"]
 
 SLOTS = 2
 SLOT_BYTES = 64 << 20
@@ -123,3 +129,84 @@ class HostStaging(Generic[K]):
             event.record(stream)
         tensor.record_stream(stream)  # the allocator keeps its memory until the copy is done
         return _Ticket(host, slot, event)
+
+
+class DeviceUploads:
+    """Reusable host buffers for a load: read into one, copy it to the device on a side stream,
+    read the next item into another meanwhile. One instance per plan being read.
+
+    :meth:`buffer` hands out a host tensor for a target, waiting first for the copy that last
+    used that buffer; :meth:`upload` starts the copy and calls ``done`` (the planner's commit)
+    once it is complete -- when the buffer is next needed, or at :meth:`finish`. A target that
+    does not fit a buffer (or lives on the CPU, unless ``stage_host_tensors``) is not taken
+    (:meth:`takes`): the caller copies it on its own, as before.
+    """
+
+    def __init__(self, slots: int = SLOTS, slot_bytes: int = SLOT_BYTES, *, stage_host_tensors: bool = False) -> None:
+        if slots < 2:
+            raise ValueError("DeviceUploads needs at least 2 slots: one being copied, one being filled")
+        self.slots, self.slot_bytes, self.stage_host_tensors = slots, slot_bytes, stage_host_tensors
+        self._free: list[torch.Tensor] = []
+        self._allocated = 0
+        self._filling: torch.Tensor | None = None  # the buffer handed out by buffer(), not yet uploaded
+        self._pending: collections.deque[tuple[torch.Tensor, Any, Any]] = collections.deque()  # slot, event, done
+        self._streams: dict[torch.device, Any] = {}
+        self.uploaded = 0  # targets that went through a buffer
+
+    def takes(self, target: torch.Tensor, nbytes: int) -> bool:
+        """Does ``target`` go through a buffer (an accelerator tensor, or any with
+        ``stage_host_tensors``, that fits one)?"""
+        staged = target.device.type != "cpu" or self.stage_host_tensors
+        return staged and 0 < nbytes <= self.slot_bytes
+
+    def buffer(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A host tensor of ``shape`` and ``dtype`` in a free buffer (see :meth:`takes`)."""
+        if self._filling is not None:  # handed out before, never uploaded (its read failed)
+            self._free.append(self._filling)
+        if self._free:
+            slot = self._free.pop()
+        elif self._allocated < self.slots:
+            self._allocated += 1
+            pin = device.type != "cpu" and torch.accelerator.is_available()
+            slot = torch.empty(self.slot_bytes, dtype=torch.uint8, pin_memory=pin)
+        else:
+            slot = self._complete_oldest()
+        self._filling = slot
+        return slot[: math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
+
+    def upload(self, host: torch.Tensor, target: torch.Tensor, done: Any) -> None:
+        """Copy ``host`` (from :meth:`buffer`) into ``target``; ``done()`` once it has landed."""
+        slot, self._filling = self._filling, None
+        if slot is None:
+            raise RuntimeError("DeviceUploads.upload without a buffer from DeviceUploads.buffer")
+        self.uploaded += 1
+        if target.device.type == "cpu":
+            target.copy_(host)
+            self._pending.append((slot, None, done))
+            return
+        module = torch.get_device_module(target.device.type)
+        stream = self._streams.get(target.device)
+        if stream is None:
+            stream = self._streams[target.device] = module.Stream(device=target.device)
+        stream.wait_stream(module.current_stream(target.device))  # nothing still reads the target
+        with module.stream(stream):
+            target.copy_(host, non_blocking=True)
+            event = module.Event()
+            event.record(stream)
+        target.record_stream(stream)
+        self._pending.append((slot, event, done))
+
+    def _complete_oldest(self) -> torch.Tensor:
+        slot, event, done = self._pending.popleft()
+        if event is not None:
+            event.synchronize()
+        done()
+        return slot
+
+    def finish(self) -> None:
+        """Wait for every copy still in flight and commit its item; the buffers stay for reuse."""
+        while self._pending:
+            self._free.append(self._complete_oldest())
+        if self._filling is not None:
+            self._free.append(self._filling)
+            self._filling = None

@@ -7,10 +7,13 @@ Knows nothing of models.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import io
 import math
 import os
 from collections import defaultdict
+from collections.abc import Iterator
 from typing import Any, BinaryIO
 
 import torch
@@ -23,6 +26,7 @@ from .checkpoint import CheckpointListing, open_checkpoint
 from .errors import CheckpointCorruptError
 from .format.manifest import ItemChecksums
 from .format.tensor_bytes import tensor_memory
+from .host_staging import DeviceUploads
 from .storage.base import ReadAheadStream, checked_name
 from .storage.retry import retrying
 
@@ -37,7 +41,16 @@ def narrow_to(tensor: torch.Tensor, offsets, lengths) -> torch.Tensor:
 
 
 class DMuonStorageReader(StorageReader):
-    """DCP storage reader for local paths and fsspec URLs; verifies as it reads."""
+    """DCP storage reader for local paths and fsspec URLs; verifies as it reads.
+
+    Items bound for an accelerator are read into two reused (pinned) host buffers, and each
+    copy to the device overlaps the read of the next item (:class:`~.host_staging.DeviceUploads`).
+    """
+
+    #: Run CPU destinations through the reused buffers too (tests of the accelerator path on CPU).
+    stage_host_tensors = False
+    #: Items this reader has copied to their destination through the reused buffers.
+    uploaded = 0
 
     def __init__(
         self,
@@ -92,11 +105,12 @@ class DMuonStorageReader(StorageReader):
             info = self.storage_data[req.storage_index]
             per_file[info.relative_path][req.storage_index].append(req)
         listing = self._listing()
+        uploads = DeviceUploads(stage_host_tensors=self.stage_host_tensors)
         for name, by_index in per_file.items():
             ordered = sorted(by_index.items(), key=lambda kv: self.storage_data[kv[0]].offset)
 
             def read_file(name=name, ordered=ordered):  # redelivering an item is harmless
-                with listing.store.open_read(checked_name(name)) as stream:
+                with listing.store.open_read(checked_name(name)) as stream, _finishing(uploads):
                     ahead = _ReadAhead(stream, [self.storage_data[index] for index, _ in ordered])
                     for first in range(0, len(ordered), _RESOLVE_BATCH):
                         # Destinations are resolved a batch at a time, before the batch's bytes
@@ -104,14 +118,15 @@ class DMuonStorageReader(StorageReader):
                         # ranges) then runs back to back instead of between copies of megabytes
                         # that push its data out of the CPU's caches.
                         batch = [
-                            _Delivery(listing, index, reqs, planner)
+                            _Delivery(listing, index, reqs, planner, uploads.stage_host_tensors)
                             for index, reqs in ordered[first : first + _RESOLVE_BATCH]
                         ]
                         for k, delivery in enumerate(batch, start=first):
                             ahead.reading(k)
-                            delivery.read(listing, stream, planner)
+                            delivery.read(listing, stream, planner, uploads)
 
             retrying(listing.store, f"reading {name}", read_file)
+        self.uploaded += uploads.uploaded
 
     @property
     def bytes_read(self) -> int:
@@ -121,6 +136,16 @@ class DMuonStorageReader(StorageReader):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
         return isinstance(checkpoint_id, (str, os.PathLike))
+
+
+@contextlib.contextmanager
+def _finishing(uploads: DeviceUploads) -> Iterator[None]:
+    """Every copy to the device started while reading a file has landed (and its item is
+    committed) before the file is done with, or before an attempt at it is retried."""
+    try:
+        yield
+    finally:
+        uploads.finish()
 
 
 class _ReadAhead:
@@ -168,7 +193,10 @@ class _Delivery:
     each the byte range of the item's data it needs where that is one range (None: it needs
     the whole stored tensor, read and narrowed)."""
 
-    def __init__(self, listing: CheckpointListing, index: MetadataIndex, reqs: list, planner: LoadPlanner) -> None:
+    def __init__(
+        self, listing: CheckpointListing, index: MetadataIndex, reqs: list, planner: LoadPlanner, staged: bool = False
+    ) -> None:
+        """``staged``: never fill a CPU destination in place (tests of the upload buffers)."""
         self.index, self.reqs = index, reqs
         self.blocks: ItemChecksums | None = None
         self.dtype: torch.dtype | None = None
@@ -188,11 +216,11 @@ class _Delivery:
                 )
             start = _row_range_start(md, index, req) if isinstance(md, TensorStorageMetadata) else None
             in_place = start is not None and (
-                target.is_contiguous() and target.device.type == "cpu" and target.dtype == self.dtype
+                target.is_contiguous() and target.device.type == "cpu" and target.dtype == self.dtype and not staged
             )
             self.targets.append((target, start, tensor_memory(target) if in_place else None))
 
-    def read(self, listing: CheckpointListing, stream: BinaryIO, planner: LoadPlanner) -> None:
+    def read(self, listing: CheckpointListing, stream: BinaryIO, planner: LoadPlanner, uploads: DeviceUploads) -> None:
         index, blocks = self.index, self.blocks
         if not self.targets:  # an object
             data = listing.read_item(index, stream)
@@ -209,6 +237,12 @@ class _Delivery:
                 target.copy_(narrow_to(saved, req.storage_offsets, req.lengths))
             elif view is not None:  # one copy, from storage to the tensor, verified block by block
                 listing.read_data_into(index, stream, start, view, blocks)
+            elif self.dtype is not None and uploads.takes(target, math.prod(req.lengths) * self.dtype.itemsize):
+                # into a reused (pinned) buffer; its copy to the device overlaps the next read
+                host = uploads.buffer(tuple(req.lengths), self.dtype, target.device)
+                listing.read_data_into(index, stream, start, tensor_memory(host), blocks)
+                uploads.upload(host, target, functools.partial(planner.commit_tensor, req, target))
+                continue
             else:
                 staging = torch.empty(tuple(req.lengths), dtype=self.dtype)
                 listing.read_data_into(index, stream, start, tensor_memory(staging), blocks)
