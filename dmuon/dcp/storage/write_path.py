@@ -116,6 +116,7 @@ def _probe(root: str) -> WritePathChoice:
     it runs inside the first save, whose peak memory is bounded)."""
     chunk = mmap.mmap(-1, _CHUNK)
     chunk.write(os.urandom(_CHUNK))  # (incompressible, whatever the filesystem does with zeros)
+    view = memoryview(chunk)  # (released before the map is closed, also when a write fails)
     path = os.path.join(root, f"{_PROBE_PREFIX}{uuid.uuid4().hex}")
     writes: dict[bool, list[float]] = {False: [], True: []}
     reads: dict[bool, list[float]] = {False: [], True: []}
@@ -123,13 +124,14 @@ def _probe(root: str) -> WritePathChoice:
         for _ in range(2):
             for direct in (False, True):
                 try:
-                    writes[direct].append(_timed_write(path, memoryview(chunk), direct))
+                    writes[direct].append(_timed_write(path, view, direct))
                 except OSError as error:
                     if direct and error.errno == errno.EINVAL:
                         return WritePathChoice(False, "the filesystem refuses O_DIRECT")
                     raise
-                reads[direct].append(_timed_read(path, memoryview(chunk)))
+                reads[direct].append(_timed_read(path, view))
     finally:
+        view.release()
         chunk.close()
         with contextlib.suppress(OSError):
             os.remove(path)
