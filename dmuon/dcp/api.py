@@ -100,12 +100,16 @@ def load(
     *,
     storage_options: dict | None = None,
     allow_partial_load: bool = False,
+    cooperative: bool | None = None,
 ) -> dict:
     """Collective: load model (and optimizer) from any topology; returns the saved ``extra``.
 
     Shapes and dtypes are checked for every key first; on a mismatch nothing is written and
     one error lists every problem; ``allow_partial_load=True`` skips mismatched keys instead.
     A HuggingFace safetensors file or directory loads the model part (``optimizer=None``).
+    A region several ranks hold identical copies of (HSDP replicas, a dedicated weight's shard
+    column) is read from storage by one of them and sent to the others (``cooperative.py``);
+    ``cooperative=False`` (or ``DMUON_COOPERATIVE_LOAD=0``) has every rank read for itself.
     Python's garbage collector is paused for the call.
     """
     if is_safetensors_checkpoint(checkpoint_id, storage_options):
@@ -119,7 +123,9 @@ def load(
     extra = _extra_template(listing.metadata)
     if extra:
         state[EXTRA_SECTION] = extra
-    reader = DMuonStorageReader(checkpoint_id, storage_options=storage_options, listing=listing)
+    reader = DMuonStorageReader(
+        checkpoint_id, storage_options=storage_options, listing=listing, cooperative=cooperative
+    )
     planner = DMuonLoadPlanner(allow_partial_load=allow_partial_load)
     with paused_gc():
         run_checkpoint_op(dcp.load, state, storage_reader=reader, planner=planner, what=f"load from {checkpoint_id}")

@@ -17,12 +17,14 @@ from collections.abc import Iterator
 from typing import Any, BinaryIO
 
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
-from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from .checkpoint import CheckpointListing, open_checkpoint
+from .cooperative import assign_readers, cooperative_enabled, read_shared, share_of
 from .errors import CheckpointCorruptError
 from .format.manifest import ItemChecksums
 from .format.tensor_bytes import tensor_memory
@@ -51,6 +53,8 @@ class DMuonStorageReader(StorageReader):
     stage_host_tensors = False
     #: Items this reader has copied to their destination through the reused buffers.
     uploaded = 0
+    #: Bytes of data files this reader has fetched from storage (read-ahead included).
+    bytes_fetched = 0
 
     def __init__(
         self,
@@ -58,11 +62,19 @@ class DMuonStorageReader(StorageReader):
         *,
         storage_options: dict | None = None,
         listing: CheckpointListing | None = None,
+        cooperative: bool | None = None,
+        process_group: Any = None,
     ) -> None:
-        """``listing``: an already opened and verified checkpoint, to skip reading it again."""
+        """``listing``: an already opened and verified checkpoint, to skip reading it again.
+        ``cooperative``: a region several ranks need is read by one and sent to the others
+        (``cooperative.py``); None (the default) means on unless ``DMUON_COOPERATIVE_LOAD=0``.
+        ``process_group``: the group the load runs on (what ``dcp.load`` is given; default:
+        the default group), over which shared regions are exchanged."""
         super().__init__()
         self.storage_options = storage_options
         self.listing = listing
+        self.cooperative = cooperative
+        self.process_group = process_group
         if checkpoint_id is not None:
             self.checkpoint_id = checkpoint_id
 
@@ -88,20 +100,32 @@ class DMuonStorageReader(StorageReader):
         return plan
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        return plans
+        if len(plans) < 2 or not cooperative_enabled(self.cooperative) or not dist.is_initialized():
+            return plans
+        return assign_readers(plans, self._stored_dtypes(), self._listing().metadata.storage_data)
+
+    def _stored_dtypes(self) -> dict[str, torch.dtype]:
+        metadata = self._listing().metadata.state_dict_metadata
+        return {fqn: md.properties.dtype for fqn, md in metadata.items() if isinstance(md, TensorStorageMetadata)}
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         # no autograd here: a DTensor's to_local() (what the planner resolves a shard with)
         # otherwise goes through an autograd function for every item
         with torch.no_grad():
-            self._read_plan(plan, planner)
+            share = share_of(plan)
+            if share is None:
+                self._read_items(plan.items, planner)
+            else:
+                read_shared(plan, share, planner, self._read_items, self._stored_dtypes(), self.process_group)
         future: Future = Future()
         future.set_result(None)
         return future
 
-    def _read_plan(self, plan: LoadPlan, planner: LoadPlanner) -> None:
+    def _read_items(self, items: list[ReadItem], planner: LoadPlanner, keep: dict[int, Any] | None = None) -> None:
+        """Read ``items`` from storage into their destinations, file by file; ``keep``: ids
+        of items whose resolved destination tensors are wanted afterwards, filled in here."""
         per_file: dict[str, dict[MetadataIndex, list]] = defaultdict(lambda: defaultdict(list))
-        for req in plan.items:
+        for req in items:
             info = self.storage_data[req.storage_index]
             per_file[info.relative_path][req.storage_index].append(req)
         listing = self._listing()
@@ -110,6 +134,7 @@ class DMuonStorageReader(StorageReader):
             ordered = sorted(by_index.items(), key=lambda kv: self.storage_data[kv[0]].offset)
 
             def read_file(name=name, ordered=ordered):  # redelivering an item is harmless
+                before = listing.bytes_read
                 with listing.store.open_read(checked_name(name)) as stream, _finishing(uploads):
                     ahead = _ReadAhead(stream, [self.storage_data[index] for index, _ in ordered])
                     for first in range(0, len(ordered), _RESOLVE_BATCH):
@@ -118,12 +143,14 @@ class DMuonStorageReader(StorageReader):
                         # ranges) then runs back to back instead of between copies of megabytes
                         # that push its data out of the CPU's caches.
                         batch = [
-                            _Delivery(listing, index, reqs, planner, uploads.stage_host_tensors)
+                            _Delivery(listing, index, reqs, planner, uploads.stage_host_tensors, keep)
                             for index, reqs in ordered[first : first + _RESOLVE_BATCH]
                         ]
                         for k, delivery in enumerate(batch, start=first):
                             ahead.reading(k)
                             delivery.read(listing, stream, planner, uploads)
+                    fetched = getattr(stream, "bytes_fetched", None)  # (what read-ahead brought in)
+                self.bytes_fetched += listing.bytes_read - before if fetched is None else fetched
 
             retrying(listing.store, f"reading {name}", read_file)
         self.uploaded += uploads.uploaded
@@ -181,7 +208,7 @@ class _ReadAhead:
 
 
 READ_AHEAD_BYTES = 64 << 20
-_HINT_GAP = 1 << 20  # bytes between two items that one hint may cover without them being read
+_HINT_GAP = 0  # bytes between two items that one hint may cover: none (a store fetches what it is told)
 
 # Items whose destinations are resolved before any of their bytes is read: bounds what a planner
 # that allocates in resolve_tensor (none of torch's does) holds at once.
@@ -194,9 +221,16 @@ class _Delivery:
     the whole stored tensor, read and narrowed)."""
 
     def __init__(
-        self, listing: CheckpointListing, index: MetadataIndex, reqs: list, planner: LoadPlanner, staged: bool = False
+        self,
+        listing: CheckpointListing,
+        index: MetadataIndex,
+        reqs: list,
+        planner: LoadPlanner,
+        staged: bool = False,
+        keep: dict[int, Any] | None = None,
     ) -> None:
-        """``staged``: never fill a CPU destination in place (tests of the upload buffers)."""
+        """``staged``: never fill a CPU destination in place (tests of the upload buffers).
+        ``keep``: ids of requests whose destination tensor the caller wants, filled in."""
         self.index, self.reqs = index, reqs
         self.blocks: ItemChecksums | None = None
         self.dtype: torch.dtype | None = None
@@ -209,6 +243,8 @@ class _Delivery:
             self.blocks = listing.data_blocks(index)
         for req in reqs:
             target = planner.resolve_tensor(req).detach()
+            if keep is not None and id(req) in keep:
+                keep[id(req)] = target
             if tuple(target.size()) != tuple(req.lengths):
                 raise CheckpointCorruptError(
                     f"{req.storage_index.fqn}: stored region has shape {tuple(req.lengths)}, "

@@ -182,11 +182,14 @@ class S3ParallelWriter:
 
 
 class S3ParallelReader:
-    """A read-only, seekable stream over the object ``path`` that fetches ``block_bytes``
-    ranges ahead of the reader, ``concurrency`` at a time.
+    """A read-only, seekable stream over the object ``path`` that fetches ahead of the reader,
+    ``concurrency`` ranged GETs at a time.
 
-    Reads in file order cost one pass of parallel ranged GETs; a seek outside what is fetched
-    (a partial load skipping bytes it does not need) drops the read-ahead and restarts it there.
+    Told what comes next (:meth:`will_need`, the reader's hints: the items this rank reads, in
+    file order), it fetches exactly those ranges, in pieces of at most ``block_bytes``, and
+    nothing else: a rank that needs one item of another rank's file fetches that item, not the
+    file. Without hints it reads ahead ``block_bytes`` blocks from where it reads. A seek outside
+    what is fetched drops what lies behind and starts there.
     """
 
     def __init__(
@@ -196,10 +199,13 @@ class S3ParallelReader:
         self.block_bytes, self.concurrency = block_bytes, concurrency
         self.closed = False
         self._position = 0
-        self.bytes_fetched = 0  # by GETs so far (a block dropped and fetched again counts twice)
+        self.bytes_fetched = 0  # by GETs so far (a range dropped and fetched again counts twice)
         self._count_lock = threading.Lock()
         self._pool = ThreadPoolExecutor(concurrency, thread_name_prefix="dmuon-s3-read")
-        self._blocks: collections.OrderedDict[int, Future] = collections.OrderedDict()  # start -> bytes
+        # start -> (end, GET in flight or done), in file order
+        self._ranges: collections.OrderedDict[int, tuple[int, Future]] = collections.OrderedDict()
+        self._hinted: collections.deque[tuple[int, int]] = collections.deque()  # ranges told, not yet asked for
+        self._hints = False  # told anything at all: then only what is told (or read) is fetched
 
     def readable(self) -> bool:
         return True
@@ -215,31 +221,72 @@ class S3ParallelReader:
         self._position = max(0, base + offset)
         return self._position
 
-    def _fetch(self, start: int) -> bytes:
-        data = self.fs.cat_file(self.path, start=start, end=min(start + self.block_bytes, self.size))
+    def will_need(self, offset: int, length: int) -> None:
+        """``length`` bytes from ``offset`` will be read soon: fetch them (in pieces of at most
+        ``block_bytes``, as the concurrency allows), and from now on only what is told."""
+        self._hints = True
+        start, end = max(offset, 0), min(offset + length, self.size)
+        while start < end:
+            last = self._hinted[-1] if self._hinted else None
+            if last is not None and last[1] == start and start - last[0] < self.block_bytes:  # continues it
+                first, _ = self._hinted.pop()
+            else:
+                first = start
+            stop = min(end, first + self.block_bytes)
+            self._hinted.append((first, stop))
+            start = stop
+        self._schedule()
+
+    def _fetch(self, start: int, end: int) -> bytes:
+        data = self.fs.cat_file(self.path, start=start, end=end)
         with self._count_lock:
             self.bytes_fetched += len(data)
         return data
 
+    def _covering(self, position: int) -> int | None:
+        for start, (end, _) in self._ranges.items():
+            if start <= position < end:
+                return start
+        return None
+
     def _schedule(self) -> None:
-        """Keep the ``concurrency`` blocks from the current one on requested. The block just
-        behind is kept too (an item's frame is checked after a look at its end, then its data
-        is read from an earlier offset); anything further away is dropped."""
-        current = self._position - self._position % self.block_bytes
-        ahead = current + self.concurrency * self.block_bytes
-        for start in [s for s in self._blocks if s < current - self.block_bytes or s > ahead]:
-            self._blocks.pop(start).cancel()
-        for start in range(current, min(self.size, ahead), self.block_bytes):
-            if start not in self._blocks:
-                self._blocks[start] = self._pool.submit(self._fetch, start)
+        """Drop what lies well behind the reader (the range just behind is kept: an item's
+        frame is checked after a look at its end, then its data is read from an earlier
+        offset) and keep ``concurrency`` ranges at or after it requested."""
+        current = self._covering(self._position)
+        keep_from = self._position - self.block_bytes
+        for start in [s for s, (end, _) in self._ranges.items() if end <= keep_from and s != current]:
+            self._ranges.pop(start)[1].cancel()
+        ahead = sum(1 for start, (end, _) in self._ranges.items() if end > self._position)
+        if self._hints:
+            while self._hinted and ahead < self.concurrency:
+                start, end = self._hinted.popleft()
+                if end <= self._position:
+                    continue  # read already (or skipped): never fetched
+                if self._covering(start) is None:
+                    self._request(start, end)
+                    ahead += 1
+            return
+        block = self._position - self._position % self.block_bytes
+        for start in range(block, min(self.size, block + self.concurrency * self.block_bytes), self.block_bytes):
+            if start not in self._ranges and self._covering(start) is None:
+                self._request(start, min(start + self.block_bytes, self.size))
+
+    def _request(self, start: int, end: int) -> None:
+        self._ranges[start] = (end, self._pool.submit(self._fetch, start, end))
+        self._ranges = collections.OrderedDict(sorted(self._ranges.items()))
 
     def readinto(self, buffer) -> int:
         out = memoryview(buffer).cast("B")
         done = 0
         while done < out.nbytes and self._position < self.size:
             self._schedule()
-            start = self._position - self._position % self.block_bytes
-            block = self._blocks[start].result()
+            start = self._covering(self._position)
+            if start is None:  # not told, or told elsewhere: fetch from here
+                self._request(self._position, min(self._position + self.block_bytes, self.size))
+                start = self._position
+            _, future = self._ranges[start]
+            block = future.result()
             inside = self._position - start
             n = min(len(block) - inside, out.nbytes - done)
             if n <= 0:
@@ -260,9 +307,9 @@ class S3ParallelReader:
         if self.closed:
             return
         self.closed = True
-        for future in self._blocks.values():
+        for _, future in self._ranges.values():
             future.cancel()
-        self._blocks.clear()
+        self._ranges.clear()
         self._pool.shutdown(wait=True)
 
     def __enter__(self) -> S3ParallelReader:

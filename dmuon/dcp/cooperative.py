@@ -1,0 +1,253 @@
+"""Cooperative restore: a region several ranks need is read from storage by one of them and
+sent to the others over the process group.
+
+Under HSDP every replica group needs the same shards, and every rank of a dedicated weight's
+shard column needs the whole weight: with a plain per-rank read, a job of R replicas reads the
+checkpoint R times from S3 or GCS. A restart then costs R times the bytes and, when the store's
+bandwidth is the limit, R times the wall time. Here the coordinator, which sees every rank's
+load plan, finds the read items that several ranks request for exactly the same stored region
+(same item, same offsets and lengths: identical copies), gives each one reader, chosen to
+balance bytes across ranks (what a rank must read anyway counts), and tells the others to
+receive it. Ranks then read what they were given -- verifying every byte against its checksum,
+as always -- and exchange the shared regions point to point.
+
+Failures stay loud: before any exchange every rank reports whether its reads succeeded (one
+small all-gather of their errors), so a corrupt or missing file on the reading rank fails the load on every
+rank, instead of leaving the others waiting for bytes that will never come.
+
+Objects (non-tensor items: step counters, hyper-parameters) are small and read by every rank
+that needs them. ``DMUON_COOPERATIVE_LOAD=0`` in the environment, or ``cooperative=False`` on
+the reader, turns the whole thing off (every rank reads for itself, as torch's readers do).
+"""
+
+from __future__ import annotations
+
+import os
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
+
+from .errors import CheckpointError
+
+__all__ = [
+    "COOPERATIVE_ENV",
+    "RankShare",
+    "Transfer",
+    "assign_readers",
+    "cooperative_enabled",
+    "read_shared",
+    "share_of",
+]
+
+COOPERATIVE_ENV = "DMUON_COOPERATIVE_LOAD"
+_PLAN_KEY = "dmuon_cooperative"  # where a rank's part of the assignment travels in its LoadPlan
+# How far above the least loaded rank a region's reader may be when it also read the region just
+# before it in the same file: small neighbours go in one request from one rank.
+STICKY_BYTES = 8 << 20
+
+
+def cooperative_enabled(requested: bool | None) -> bool:
+    """The reader's setting, else the environment (on unless ``DMUON_COOPERATIVE_LOAD=0``)."""
+    if requested is not None:
+        return requested
+    return os.environ.get(COOPERATIVE_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One shared region: read by ``source`` (a rank of the load's group), sent to ``targets``."""
+
+    tag: int  # its place in the job-wide order of transfers (both sides post them in this order)
+    source: int
+    targets: tuple[int, ...]
+
+
+@dataclass
+class RankShare:
+    """What one rank does about shared regions: items it reads and sends, items it receives."""
+
+    sends: dict[int, Transfer] = field(default_factory=dict)  # index in the rank's plan -> transfer
+    receives: dict[int, Transfer] = field(default_factory=dict)
+
+
+def _region(item: ReadItem) -> tuple:
+    """What makes two ranks' read items identical copies: the stored item and the region of it."""
+    index = item.storage_index
+    return index.fqn, tuple(index.offset or ()), tuple(item.storage_offsets), tuple(item.lengths)
+
+
+def _nbytes(item: ReadItem, dtypes: dict[str, torch.dtype]) -> int:
+    size = 1
+    for length in item.lengths:
+        size *= length
+    dtype = dtypes.get(item.storage_index.fqn)
+    return size * (dtype.itemsize if dtype is not None else 1)
+
+
+def assign_readers(plans: list[LoadPlan], dtypes: dict[str, torch.dtype], locations: dict[Any, Any]) -> list[LoadPlan]:
+    """The coordinator's step: one reader per region several ranks request; the plans back
+    with each rank's share in ``storage_data``. ``dtypes``: stored dtype per key (for sizes);
+    ``locations``: the metadata's storage data (file and offset of each stored item).
+
+    Balancing is greedy by bytes: regions only one rank needs count for that rank first. Then
+    shared regions, in file order, go to whichever of their ranks has read the least so far --
+    except that a region next to the previous one in the same file stays with that one's
+    reader while it is within :data:`STICKY_BYTES` of the least loaded rank: neighbours then
+    come in one request, not many small ones from several ranks. Deterministic (ties go to the
+    lowest rank), so it is the same whoever runs it.
+    """
+    wanted: dict[tuple, list[tuple[int, int]]] = defaultdict(list)  # region -> [(rank, index in plan)]
+    for rank, plan in enumerate(plans):
+        for position, item in enumerate(plan.items):
+            if item.type != LoadItemType.BYTE_IO:
+                wanted[_region(item)].append((rank, position))
+    load = [0] * len(plans)
+    shared = []
+    for region, askers in wanted.items():
+        item = plans[askers[0][0]].items[askers[0][1]]
+        nbytes = _nbytes(item, dtypes)
+        if len({rank for rank, _ in askers}) == 1:
+            load[askers[0][0]] += nbytes * len(askers)
+        else:
+            where = locations[item.storage_index]
+            shared.append(((where.relative_path, where.offset, region), nbytes, askers))
+    if not shared:
+        return plans  # nothing shared: no rank exchanges anything, and no collective is added
+    shares = [RankShare() for _ in plans]
+    shared.sort(key=lambda entry: entry[0])
+    previous: tuple[str, int] | None = None  # (file, reader) of the region before
+    for tag, ((file, _, _), nbytes, askers) in enumerate(shared):
+        ranks = sorted({rank for rank, _ in askers})
+        least = min(ranks, key=lambda rank: (load[rank], rank))
+        source = least
+        if previous is not None and previous[0] == file and previous[1] in ranks:
+            if load[previous[1]] <= load[least] + STICKY_BYTES:
+                source = previous[1]
+        previous = (file, source)
+        load[source] += nbytes
+        transfer = Transfer(tag, source, tuple(rank for rank in ranks if rank != source))
+        read_by_source = False
+        for rank, position in askers:
+            if rank == source and not read_by_source:
+                shares[rank].sends[position] = transfer
+                read_by_source = True
+            elif rank != source:  # (the same region twice on the reader: read twice, locally)
+                shares[rank].receives[position] = transfer
+    out = []
+    for plan, share in zip(plans, shares):
+        data = dict(plan.storage_data) if isinstance(plan.storage_data, dict) else {}
+        data[_PLAN_KEY] = share
+        out.append(LoadPlan(plan.items, storage_data=data, planner_data=plan.planner_data))
+    return out
+
+
+def share_of(plan: LoadPlan) -> RankShare | None:
+    """This rank's part of the assignment; None when the load has no shared region (then no
+    rank of it takes part in an exchange)."""
+    data = plan.storage_data
+    if isinstance(data, dict) and isinstance(data.get(_PLAN_KEY), RankShare):
+        return data[_PLAN_KEY]
+    return None
+
+
+def read_shared(
+    plan: LoadPlan,
+    share: RankShare,
+    planner: Any,
+    read_items: Callable[..., None],
+    dtypes: dict[str, torch.dtype],
+    group: Any,
+) -> None:
+    """This rank's part of a cooperative load: read every item not received from another rank
+    (``read_items(items, planner, keep)``, verifying as usual), agree that every rank's reads
+    succeeded, then send and receive the shared regions and commit what arrived."""
+    group = group if group is not None else dist.group.WORLD
+    received = {id(plan.items[position]) for position in share.receives}
+    keep: dict[int, Any] = {id(plan.items[position]): None for position in share.sends}
+    failure: BaseException | None = None
+    try:
+        read_items([item for item in plan.items if id(item) not in received], planner, keep)
+    except BaseException as error:  # reported to every rank below, then raised here
+        failure = error
+    failed = read_failures(failure, group)
+    if failure is not None:
+        raise failure
+    if failed:
+        rank = min(failed)
+        raise _as_raised(rank, *failed[rank])
+    device = exchange_device(group)
+    sends = []
+    for position, transfer in share.sends.items():
+        item = plan.items[position]
+        target = keep[id(item)]
+        if target is None:  # pragma: no cover - every sent item is a tensor read above
+            raise CheckpointError(f"cooperative load: {item.storage_index.fqn} was not read on its reading rank")
+        stored = dtypes[item.storage_index.fqn]
+        sends.append((transfer, target.to(device=device, dtype=stored).contiguous()))
+    receives, landing = [], []
+    for position, transfer in share.receives.items():
+        item = plan.items[position]
+        target = planner.resolve_tensor(item).detach()
+        stored = dtypes[item.storage_index.fqn]
+        if tuple(target.size()) != tuple(item.lengths):
+            raise CheckpointError(
+                f"{item.storage_index.fqn}: stored region has shape {tuple(item.lengths)}, "
+                f"expected {tuple(target.size())}"
+            )
+        direct = target.is_contiguous() and target.device == device and target.dtype == stored
+        buffer = target if direct else torch.empty(tuple(item.lengths), dtype=stored, device=device)
+        receives.append((transfer, buffer))
+        landing.append((item, target, buffer))
+    exchange(sends, receives, group)
+    for item, target, buffer in landing:
+        if buffer is not target:
+            target.copy_(buffer)
+        planner.commit_tensor(item, target)
+
+
+def exchange_device(group: Any) -> torch.device:
+    """Where the exchanged tensors must live for the group's backend (NCCL: the current GPU)."""
+    backend = str(dist.get_backend(group)).lower()
+    if "nccl" in backend and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def read_failures(failure: BaseException | None, group: Any) -> dict[int, tuple[type, str]]:
+    """Every rank says whether its reads succeeded: the failures by group rank, each as its
+    exception type and message, so that every rank can report the real cause."""
+    mine = None if failure is None else (type(failure), str(failure))
+    everyone: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, mine, group=group)
+    return {rank: entry for rank, entry in enumerate(everyone) if entry is not None}
+
+
+def _as_raised(rank: int, kind: type, message: str) -> CheckpointError:
+    text = f"cooperative load: rank {rank} of the load's group failed reading, nothing was exchanged: {message}"
+    if isinstance(kind, type) and issubclass(kind, CheckpointError):
+        try:
+            return kind(text)
+        except TypeError:
+            pass
+    return CheckpointError(text)
+
+
+def exchange(sends: list[tuple[Transfer, torch.Tensor]], receives: list[tuple[Transfer, torch.Tensor]], group: Any):
+    """Send each region this rank read to the ranks that need it, receive the regions others
+    read for it; returns when every one has arrived. Tensors are on :func:`exchange_device`,
+    contiguous, in the stored dtype; both sides post their operations in ``tag`` order."""
+    ops = []
+    for transfer, tensor in sorted(sends, key=lambda pair: pair[0].tag):
+        for target in transfer.targets:
+            ops.append(dist.P2POp(dist.isend, tensor, dist.get_global_rank(group, target), group, transfer.tag))
+    for transfer, tensor in sorted(receives, key=lambda pair: pair[0].tag):
+        ops.append(dist.P2POp(dist.irecv, tensor, dist.get_global_rank(group, transfer.source), group, transfer.tag))
+    if not ops:
+        return
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()

@@ -1,0 +1,135 @@
+"""Cooperative restore: under HSDP each region is fetched from storage by one rank and sent to
+the replicas that need it. Counted: the bytes every rank's reader fetched, against the bytes of
+the checkpoint's data files; bit-exact against the saved state; on local disk and on S3."""
+import os
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+import dmuon
+import dmuon.dcp as ddcp
+from dmuon.dcp.cooperative import COOPERATIVE_ENV
+from dmuon.dcp.format import rank_of_data_file
+from dmuon.dcp.storage.registry import open_store
+from tests.helpers.launch import run_ranks
+from tests.helpers.setup import max_abs_diff
+from tests.helpers.training import build, train
+
+# embeddings and matrices large enough that tensors, not the few small objects every rank reads
+# (hyper-parameters, the step), make up the checkpoint
+MODEL = {"vocab": 512, "dim": 64, "hidden": 256}
+
+
+def save_worker(rank, world, replicate, url, options):
+    model, opt = build(replicate, **MODEL)
+    train(model, opt, rank, world, range(2))
+    ddcp.save(model, opt, url, extra={"step": 2}, storage_options=options)
+    return {"model": dmuon.get_model_state_dict(model), "optim": dmuon.get_optimizer_state_dict(model, opt)}
+
+
+def load_worker(rank, world, replicate, url, options, cooperative):
+    model, opt = build(replicate, **MODEL)
+    reader = ddcp.DMuonStorageReader(url, storage_options=options, cooperative=cooperative)
+    app = ddcp.AppState(model, opt)
+    state = app.state_dict()
+    dcp.load(state, storage_reader=reader, planner=ddcp.DMuonLoadPlanner())
+    app.load_state_dict(state)
+    return {"model": dmuon.get_model_state_dict(model), "optim": dmuon.get_optimizer_state_dict(model, opt),
+            "fetched": reader.bytes_fetched, "read": reader.bytes_read}
+
+
+def data_bytes(url, options) -> int:
+    files = open_store(url, options).list()
+    return sum(size for name, size in files.items() if rank_of_data_file(name) is not None)
+
+
+def assert_same(loaded, saved):
+    assert max_abs_diff(loaded["model"], saved["model"]) == 0.0
+    for section in ("fsdp2", "dedicated"):
+        for fqn, entry in saved["optim"][section].items():
+            assert max_abs_diff(loaded["optim"][section][fqn], entry) == 0.0, (section, fqn)
+
+
+@pytest.mark.parametrize("backend", ["local", "s3"])
+def test_hsdp_restore_fetches_each_byte_once(checkpoint_location, backend):
+    root, options = checkpoint_location(backend)
+    url = f"{root}/hsdp"
+    saved = run_ranks(save_worker, 4, 2, url, options)[0]
+    total = data_bytes(url, options)
+    together = run_ranks(load_worker, 4, 2, url, options, True)
+    apart = run_ranks(load_worker, 4, 2, url, options, False)
+    assert_same(together[0], saved)
+    assert_same(apart[0], saved)
+    fetched_together = sum(r["fetched"] for r in together)
+    fetched_apart = sum(r["fetched"] for r in apart)
+    assert fetched_together <= 1.1 * total, (fetched_together, total)
+    assert fetched_apart >= 1.5 * total, (fetched_apart, total)  # every replica read its own copy
+    # and the reading is spread: no rank fetched much more than an even share
+    assert max(r["fetched"] for r in together) <= 0.6 * total
+
+
+def test_from_1d_to_hsdp_and_the_environment_switch(tmp_path):
+    url = str(tmp_path / "ckpt")
+    saved = run_ranks(save_worker, 2, 1, url, None)[0]
+    total = data_bytes(url, None)
+    together = run_ranks(load_worker, 4, 2, url, None, None)
+    assert_same(together[0], saved)
+    assert sum(r["fetched"] for r in together) <= 1.1 * total
+    apart = run_ranks(load_worker, 4, 2, url, None, None, env={COOPERATIVE_ENV: "0"})
+    assert_same(apart[0], saved)
+    assert sum(r["fetched"] for r in apart) >= 1.5 * total
+
+
+def corrupt_load_worker(rank, world, url):
+    model, opt = build(2, **MODEL)
+    try:
+        ddcp.load(model, opt, url)
+    except ddcp.CheckpointError as error:
+        return {"error": f"{type(error).__name__}: {error}"}
+    return {"error": None}
+
+
+def test_a_corrupt_region_fails_the_load_on_every_rank(tmp_path):
+    """The rank that reads a region verifies it; a mismatch there fails every rank (none waits
+    for bytes that will not come), and names the file."""
+    url = str(tmp_path / "ckpt")
+    run_ranks(save_worker, 4, 2, url, None)
+    victim = max((name for name in os.listdir(url) if rank_of_data_file(name) is not None),
+                 key=lambda name: os.path.getsize(os.path.join(url, name)))
+    path = os.path.join(url, victim)
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    results = run_ranks(corrupt_load_worker, 4, url, timeout=60)
+    assert all(r["error"] for r in results), results
+    assert any("checksum mismatch" in r["error"] and victim in r["error"] for r in results)
+
+
+def test_cooperation_needs_a_shared_region(tmp_path):
+    """A 1-D load shares nothing: the plans go out unchanged and no exchange runs."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
+
+    from dmuon.dcp.cooperative import assign_readers, share_of
+
+    from dmuon import compat
+
+    def item(fqn, offset):
+        return ReadItem(LoadItemType.TENSOR, MetadataIndex(fqn, (offset,)), torch.Size([offset]),
+                        MetadataIndex(fqn, (offset,)), torch.Size([0]), torch.Size([4]))
+
+    where = {MetadataIndex(fqn, (offset,)): compat.StorageInfo("f", offset * 8 + (fqn == "b"), 16)
+             for fqn in "ab" for offset in (0, 4)}
+    dtypes = {"a": torch.float32, "b": torch.float32}
+
+    alone = [LoadPlan([item("a", 0)]), LoadPlan([item("a", 4)])]
+    assert all(share_of(plan) is None for plan in assign_readers(alone, dtypes, where))
+    together = [LoadPlan([item("a", 0), item("b", 0)]), LoadPlan([item("a", 0)]), LoadPlan([item("a", 0)])]
+    shares = [share_of(plan) for plan in assign_readers(together, dtypes, where)]
+    # rank 0 must read "b" anyway: "a" goes to the least loaded of the others, rank 1
+    assert not shares[0].sends and list(shares[0].receives) == [0]
+    assert list(shares[1].sends) == [0] and shares[1].sends[0].targets == (0, 2)
+    assert list(shares[2].receives) == [0] and shares[2].receives[0].source == 1
