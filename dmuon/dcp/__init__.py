@@ -24,6 +24,8 @@ from .planner import DMuonLoadPlanner, DMuonSavePlanner
 from .reader import DMuonStorageReader
 from .storage import RetryPolicy, Store
 from .storage.registry import open_store, register_store, unregister_store
+from .tier_restore import RestoreReport
+from .tiers import PreemptionReport, TieredCheckpointManager
 from .writer import DMuonStorageWriter
 
 __all__ = [
@@ -46,11 +48,14 @@ __all__ = [
     "DedicatedLayout",
     "NoLoadableCheckpointError",
     "PlanCacheError",
+    "PreemptionReport",
+    "RestoreReport",
     "RetryPolicy",
     "SavePlanCache",
     "SaveRefusedError",
     "StorageError",
     "Store",
+    "TieredCheckpointManager",
     "UnsafeCheckpointError",
     "async_checkpointer",
     "async_save",

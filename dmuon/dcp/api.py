@@ -26,7 +26,7 @@ from .planner import DMuonLoadPlanner, DMuonSavePlanner
 from .reader import DMuonStorageReader
 from .writer import DMuonStorageWriter
 
-__all__ = ["load", "run_checkpoint_op", "save"]
+__all__ = ["extra_template", "load", "run_checkpoint_op", "save"]
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +75,7 @@ def save(
         raise
 
 
-def _extra_template(metadata: Metadata) -> dict:
+def extra_template(metadata: Metadata) -> dict:
     """Skeleton of the saved ``extra`` subtree, for DCP to fill in (keys come from the metadata)."""
     template: dict = {}
     mappings = metadata.planner_data or {}
@@ -120,7 +120,7 @@ def load(
     listing = open_checkpoint(checkpoint_id, storage_options)  # typed errors before any collective
     app = AppState(model, optimizer)
     state = app.state_dict()
-    extra = _extra_template(listing.metadata)
+    extra = extra_template(listing.metadata)
     if extra:
         state[EXTRA_SECTION] = extra
     reader = DMuonStorageReader(

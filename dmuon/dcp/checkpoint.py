@@ -28,7 +28,7 @@ from .format.verified_read import VerifiedReads
 from .storage.base import Store, checked_name
 from .storage.registry import open_store
 
-__all__ = ["CheckpointListing", "inspect", "open_checkpoint", "verify"]
+__all__ = ["CheckpointListing", "inspect", "open_checkpoint", "read_commit", "verify"]
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +83,31 @@ def _checked_file(
     return size, stats
 
 
+def read_commit(store: Store, files: dict[str, int]) -> tuple[bytes, Manifest | None, str | None]:
+    """The ``.metadata`` bytes of a committed directory and the manifest that describes them
+    (None, None where it has no manifest: not written by dmuon). Reads nothing else: the
+    data files may lie elsewhere (a node-local tier holds only its node's)."""
+    metadata_bytes = store.read(METADATA)
+    manifests = sorted(name for name in files if is_manifest_name(name))
+    corrupt_manifest = None
+    for name in manifests:
+        try:
+            candidate = decode_manifest(name, store.read(name))
+        except CheckpointCorruptError as exc:
+            corrupt_manifest = exc
+            continue
+        if candidate.describes_metadata(metadata_bytes):
+            return metadata_bytes, candidate, name
+    if manifests:
+        if corrupt_manifest is not None and len(manifests) == 1:
+            raise corrupt_manifest
+        raise CheckpointCorruptError(
+            f"{store.url}: .metadata does not match its checksum manifest ({', '.join(manifests)}): "
+            ".metadata is corrupted"
+        )
+    return metadata_bytes, None, None
+
+
 def open_checkpoint(
     checkpoint_id: str | os.PathLike, storage_options: dict | None = None, store: Store | None = None
 ) -> CheckpointListing:
@@ -96,26 +121,8 @@ def open_checkpoint(
         raise CheckpointIncompleteError(
             f"{where} is incomplete: it has no .metadata (the save that wrote it did not finish); refusing to load it"
         )
-    metadata_bytes = store.read(METADATA)
-    manifests = sorted(name for name in files if is_manifest_name(name))
-    manifest = manifest_file = None
-    corrupt_manifest = None
-    for name in manifests:
-        try:
-            candidate = decode_manifest(name, store.read(name))
-        except CheckpointCorruptError as exc:
-            corrupt_manifest = exc
-            continue
-        if candidate.describes_metadata(metadata_bytes):
-            manifest, manifest_file = candidate, name
-            break
-    if manifests and manifest is None:
-        if corrupt_manifest is not None and len(manifests) == 1:
-            raise corrupt_manifest
-        raise CheckpointCorruptError(
-            f"{where}: .metadata does not match its checksum manifest ({', '.join(manifests)}): .metadata is corrupted"
-        )
-    if not manifests:
+    metadata_bytes, manifest, manifest_file = read_commit(store, files)
+    if manifest is None:
         log.warning("%s has no dmuon checksum manifest (not written by dmuon?): loading unverified", where)
     metadata = load_metadata_bytes(metadata_bytes, where)
     _check_storage_ranges(files, metadata, manifest, where)

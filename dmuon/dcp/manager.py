@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 
 from torch import nn
 
@@ -19,14 +18,13 @@ from .errors import (
     NoLoadableCheckpointError,
     UnsafeCheckpointError,
 )
-from .format.layout import METADATA
+from .format.layout import METADATA, step_dir_name, step_of_dir
 from .plan_cache import SavePlanCache
 from .storage.registry import open_store
 
 __all__ = ["CheckpointManager"]
 
 log = logging.getLogger(__name__)
-_STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
 class CheckpointManager:
@@ -62,14 +60,14 @@ class CheckpointManager:
         self.last_extra: dict = {}  # what load_latest's checkpoint carried in ``extra``
 
     def path(self, step: int) -> str:
-        return f"{self.root}/step-{step}"
+        return f"{self.root}/{step_dir_name(step)}"
 
     def _step_dirs(self) -> dict[int, str]:
         out = {}
         for name in self.store.list_dirs():
-            match = _STEP_DIR.match(name)
-            if match:
-                out[int(match.group(1))] = name
+            step = step_of_dir(name)
+            if step is not None:
+                out[step] = name
         return out
 
     def steps(self) -> list[int]:

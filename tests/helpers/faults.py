@@ -28,20 +28,24 @@ def _is_call_of(frame, qualname: str) -> bool:
     return instance is not None and any(cls.__qualname__ == owner for cls in type(instance).__mro__)
 
 
-def on_call(qualname: str, action: Callable[[], None], nth: int = 1) -> None:
+def on_call(qualname: str, action: Callable[[], None], nth: int = 1,
+            when: Callable[[], bool] | None = None, this_thread: bool = True) -> None:
+    """``when``: count only calls made while it returns True (say, once a step is reached).
+    ``this_thread=False``: watch only threads started later (the caller's runs at full speed)."""
     count = 0
     lock = threading.Lock()
 
     def hook(frame, event, arg):
         nonlocal count
-        if event == "call" and _is_call_of(frame, qualname):
+        if event == "call" and _is_call_of(frame, qualname) and (when is None or when()):
             with lock:
                 count += 1
                 fire = count == nth
             if fire:
                 action()
 
-    sys.setprofile(hook)
+    if this_thread:
+        sys.setprofile(hook)
     threading.setprofile(hook)
 
 

@@ -33,6 +33,15 @@ State-dict keys, after DCP's flattening of an ``AppState``:
 * ``optim.param_groups.<group name>.<hyper-parameter>``;
 * ``extra.*`` -- whatever the caller passed.
 
+Checkpoint *roots* (``CheckpointManager``, the tiers of ``TieredCheckpointManager``) hold one
+directory per step, ``step-<N>`` (:func:`step_dir_name`). A node-local tier root also holds
+``peer-<node>/step-<N>``: the data files (and a copy of the manifest and ``.metadata``) of
+another node's part of step N, replicated here; and, while a restore runs,
+``restore-view/``: every file of the step being restored, as links to the copies this node
+holds or as sparse files holding only the byte ranges this node's ranks read, fetched from a
+peer. A node's own ``step-<N>`` holds the data files of its ranks, with the manifest and
+``.metadata`` of the whole step (node 0's are the commit; the others are copies of them).
+
 A HuggingFace export is ``model.safetensors``, or ``model-0000i-of-0000N.safetensors`` plus
 ``model.safetensors.index.json`` (``metadata.total_size``, ``weight_map``).
 """
@@ -53,12 +62,17 @@ __all__ = [
     "MODEL_SECTION",
     "OPTIM_SECTION",
     "RESERVED_KEY",
+    "RESTORE_VIEW_DIR",
     "data_file_name",
     "hf_shard_name",
     "is_dmuon_file",
     "is_manifest_name",
     "manifest_name",
+    "node_of_peer_dir",
+    "peer_dir_name",
     "rank_of_data_file",
+    "step_dir_name",
+    "step_of_dir",
 ]
 
 #: The commit marker (torch's metadata file name).
@@ -77,6 +91,11 @@ MODEL_PREFIX = MODEL_SECTION + "."
 _DATA_FILE = re.compile(r"^__(\d+)_([0-9A-Za-z]+)\.distcp$")
 _MANIFEST_PREFIX = ".dmuon-manifest-"
 _MANIFEST_FILE = re.compile(r"^\.dmuon-manifest-([0-9a-f]+)\.json$")
+
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+_PEER_DIR = re.compile(r"^peer-(\d+)$")
+#: Where a node-local tier assembles the step being restored (removed afterwards).
+RESTORE_VIEW_DIR = "restore-view"
 
 HF_SINGLE_FILE = "model.safetensors"
 HF_INDEX_FILE = "model.safetensors.index.json"
@@ -107,6 +126,28 @@ def is_dmuon_file(name: str) -> bool:
         return True
     target = temp_target(name)
     return target is not None and (target == METADATA or _MANIFEST_FILE.match(target) is not None)
+
+
+def step_dir_name(step: int) -> str:
+    """The directory of one step under a checkpoint root."""
+    return f"step-{step}"
+
+
+def step_of_dir(name: str) -> int | None:
+    """The step a directory under a checkpoint root holds, or None if ``name`` is not one."""
+    match = _STEP_DIR.match(name)
+    return int(match.group(1)) if match else None
+
+
+def peer_dir_name(node: int) -> str:
+    """The directory, under a node-local tier root, of the replicated parts of ``node``."""
+    return f"peer-{node}"
+
+
+def node_of_peer_dir(name: str) -> int | None:
+    """The node whose replicated parts a directory holds, or None if ``name`` is not one."""
+    match = _PEER_DIR.match(name)
+    return int(match.group(1)) if match else None
 
 
 def hf_shard_name(index: int, count: int) -> str:

@@ -29,7 +29,7 @@ from .checksums import CHECKSUMS, HOT_SLICE, checksum_of
 from .manifest import V1_CHECKSUM, FileStats, ItemChecksums, Manifest
 from .torch_file import tensor_from_payload
 
-__all__ = ["VerifiedReads"]
+__all__ = ["VerifiedReads", "verify_stream"]
 
 _VERIFY_BLOCK = 8 << 20
 
@@ -169,7 +169,7 @@ class VerifiedReads:
         for name, stats in sorted(self.manifest.files.items()):
             try:
                 with self.store.open_read(checked_name(name)) as stream:
-                    problem = _verify_stream(stream, stats, self.manifest.checksum, progress)
+                    problem = verify_stream(stream, stats, self.manifest.checksum, progress)
             except FileNotFoundError:
                 problem = "missing"
             if problem:
@@ -177,11 +177,12 @@ class VerifiedReads:
         return problems
 
 
-def _verify_stream(
+def verify_stream(
     stream: BinaryIO, stats: FileStats, kind: str, progress: Callable[[int], Any] | None = None
 ) -> str | None:
-    """Read a data file once, checking its size and the checksum of every segment of every
-    item (they tile the file), and the whole-file CRC-32 that the oldest manifests carry."""
+    """What is wrong with a data file read from ``stream`` (None: nothing). Reads it once,
+    checking its size and the checksum of every segment of every item (they tile the file),
+    and the whole-file CRC-32 that the oldest manifests carry."""
     segments = []
     end = 0
     for offset, item in sorted(stats.items.items()):

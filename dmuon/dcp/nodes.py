@@ -1,0 +1,142 @@
+"""Which node each rank runs on, who replicates to whom, and the process groups the tiers use.
+
+A node-local tier lives on one machine's disk, so the tiers need to know which ranks share a
+machine. torchrun says so in ``GROUP_RANK`` (the node's rank in the job); without it, ranks
+on one host are one node. Nodes form a ring in the order of their ids: each node replicates
+its files to the next one, each rank to the rank with the same position on that node.
+
+:class:`TierGroups` holds two gloo groups of the job's ranks, both created at once by every
+rank (a collective): ``control`` for the main thread's few small collectives (agreeing on a
+restore, on a preemption, sharing a manifest) and ``background`` for the replication and
+promotion thread, so the two never interleave on one group, and neither touches the training
+group (which may be NCCL: the tiers move CPU bytes).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["NodeLayout", "TierGroups", "discover_nodes"]
+
+#: torchrun's name for the node's rank in the job.
+NODE_RANK_ENV = "GROUP_RANK"
+
+
+@dataclass(frozen=True)
+class NodeLayout:
+    """The node of every rank of the job, seen from ``rank``."""
+
+    node_of_rank: tuple[int, ...]
+    rank: int
+
+    @property
+    def node(self) -> int:
+        return self.node_of_rank[self.rank]
+
+    @property
+    def nodes(self) -> list[int]:
+        return sorted(set(self.node_of_rank))
+
+    def ranks_on(self, node: int) -> list[int]:
+        return [r for r, n in enumerate(self.node_of_rank) if n == node]
+
+    def leader(self, node: int) -> int:
+        """The rank that does a node's one-per-node work (its lowest)."""
+        return self.ranks_on(node)[0]
+
+    @property
+    def is_leader(self) -> bool:
+        return self.leader(self.node) == self.rank
+
+    def next_node(self, node: int, hops: int = 1) -> int:
+        nodes = self.nodes
+        return nodes[(nodes.index(node) + hops) % len(nodes)]
+
+    def replica_target(self, rank: int) -> int | None:
+        """The rank that keeps ``rank``'s files (same position, next node); None on one node."""
+        if len(self.nodes) < 2:
+            return None
+        node = self.node_of_rank[rank]
+        return self.ranks_on(self.next_node(node))[self.ranks_on(node).index(rank)]
+
+    def replica_source(self, rank: int) -> int | None:
+        """The rank whose files ``rank`` keeps (same position, previous node)."""
+        if len(self.nodes) < 2:
+            return None
+        node = self.node_of_rank[rank]
+        return self.ranks_on(self.next_node(node, -1))[self.ranks_on(node).index(rank)]
+
+
+class TierGroups:
+    """The tiers' own gloo groups (see the module docstring); a no-op without a process group."""
+
+    def __init__(self, timeout: timedelta | None = None) -> None:
+        self.distributed = dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank() if self.distributed else 0
+        self.world_size = dist.get_world_size() if self.distributed else 1
+        kwargs: dict[str, Any] = {"backend": "gloo"}
+        if timeout is not None:
+            kwargs["timeout"] = timeout
+        self.control = dist.new_group(**kwargs) if self.distributed else None
+        self.background = dist.new_group(**kwargs) if self.distributed else None
+
+    def all_gather(self, obj: Any, *, background: bool = False) -> list[Any]:
+        if not self.distributed:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self._group(background))
+        return out
+
+    def broadcast(self, obj: Any, src: int, *, background: bool = False) -> Any:
+        if not self.distributed:
+            return obj
+        box = [obj if self.rank == src else None]
+        dist.broadcast_object_list(box, src=src, group=self._group(background))
+        return box[0]
+
+    def all_reduce_max(self, values: list[float]) -> list[float]:
+        """Element-wise maximum over ranks, in one small collective (main thread)."""
+        if not self.distributed:
+            return list(values)
+        tensor = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.control)
+        return tensor.tolist()
+
+    def barrier(self, *, background: bool = False) -> None:
+        if self.distributed:
+            dist.barrier(group=self._group(background))
+
+    def _group(self, background: bool):
+        return self.background if background else self.control
+
+
+def discover_nodes(groups: TierGroups, node_rank: int | None = None) -> NodeLayout:
+    """Collective: every rank's node. ``node_rank``: this rank's node, else torchrun's
+    ``GROUP_RANK``, else its host (ranks on one host are one node). Nodes with unequal rank
+    counts are refused when replicating needs a partner for every rank."""
+    if node_rank is None and os.environ.get(NODE_RANK_ENV, "").isdigit():
+        node_rank = int(os.environ[NODE_RANK_ENV])
+    mine: Any = node_rank if node_rank is not None else socket.gethostname()
+    gathered = groups.all_gather(mine)
+    if all(isinstance(n, int) for n in gathered):
+        node_of_rank = tuple(int(n) for n in gathered)
+    elif any(isinstance(n, int) for n in gathered):
+        raise ValueError(f"some ranks were given a node_rank and others not: {gathered}")
+    else:
+        hosts = sorted(set(gathered))
+        node_of_rank = tuple(hosts.index(h) for h in gathered)
+    layout = NodeLayout(node_of_rank, groups.rank)
+    counts = {node: len(layout.ranks_on(node)) for node in layout.nodes}
+    if len(set(counts.values())) > 1:
+        raise ValueError(
+            f"the nodes of this job have different numbers of ranks ({counts}): replicating each rank's "
+            "files to a partner on the next node needs the same number on every node"
+        )
+    return layout
