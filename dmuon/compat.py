@@ -17,6 +17,15 @@ What is private, and why dmuon needs it:
 * ``StorageInfo``, ``CURRENT_DCP_VERSION``: the metadata torch's own DCP reader understands.
 * ``rebuild_tensor``, ``storage_type_names``: the torch.save format of dmuon's data files.
 * ``set_element``: non-tensor entries and extra state are put back where DCP flattened them.
+* ``tree_flatten``: the tensors of a module's output, however nested, get the hook that
+  re-broadcasts dedicated weights before backward (torch has no public pytree module).
+* :data:`PICKLED_METADATA_GLOBALS`: the private objects a ``.metadata`` pickle names, which the
+  allow-listed unpickler must let through.
+* the state DCP's default planners keep (:func:`planner_flat_state` and the functions around
+  it): dmuon's planners extend torch's and work on the flattened state dict torch built.
+* :func:`optimizer_load_state_dict_hooks`: ``Muon.load_state_dict`` loads in place (it keeps
+  dtypes and skips entries of parameters this rank does not own) and runs the hooks users
+  registered, which torch keeps in private attributes.
 """
 
 from __future__ import annotations
@@ -34,15 +43,22 @@ __all__ = [
     "DCP_ASYNC_THREAD_PREFIX",
     "FSDP_PATCH_MODULE",
     "FSDP_PATCH_TARGET",
+    "PICKLED_METADATA_GLOBALS",
     "StateDictRequest",
     "StorageInfo",  # noqa: F822 - served by __getattr__
     "TorchCompatError",
     "missing_features",
+    "optimizer_load_state_dict_hooks",
+    "planner_flat_state",
+    "planner_mappings",
+    "planner_nested_state",
     "rebuild_tensor",  # noqa: F822 - served by __getattr__
     "require_all",
     "set_element",  # noqa: F822 - served by __getattr__
+    "set_planner_flat_state",
     "state_dict_request",
     "storage_type_names",  # noqa: F822 - served by __getattr__
+    "tree_flatten",  # noqa: F822 - served by __getattr__
 ]
 
 
@@ -85,6 +101,9 @@ _NEEDS = {
     "set_element": _Need(
         "loading non-tensor entries and extra state from dmuon.dcp checkpoints",
         (("torch.distributed.checkpoint._traverse", "set_element"),),
+    ),
+    "tree_flatten": _Need(
+        "dedicate_params (dedicated weights re-broadcast before backward)", (("torch.utils._pytree", "tree_flatten"),)
     ),
     "_get_model_state_dict": _Need(
         "dedicated parameters under torch's get_model_state_dict / get_state_dict",
@@ -200,3 +219,80 @@ FSDP_PATCH_TARGET = "_get_modules_and_states"
 #: dmuon's exit guard waits for such threads before a process group is torn down.
 #: ``tests/core/test_compat.py`` starts a torch async save and finds its thread by this name.
 DCP_ASYNC_THREAD_PREFIX = "AsyncCheckpointExecutor"
+
+
+# ---------------------------------------------------------------------------------------------
+# the .metadata pickle: private objects it names
+# ---------------------------------------------------------------------------------------------
+#: ``(module, name)`` of the private objects a pickled DCP ``Metadata`` refers to: the storage
+#: entries torch's file readers understand, the encoding of a tensor's memory format, and how a
+#: layout is unpickled. ``format/safe_metadata.py`` allows them besides public classes;
+#: ``tests/core/test_compat.py`` pickles torch's own ``Metadata`` and finds no other.
+PICKLED_METADATA_GLOBALS = frozenset(
+    {
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"),
+        ("torch.serialization", "_get_layout"),
+    }
+)
+
+
+# ---------------------------------------------------------------------------------------------
+# DCP's default planners: the state their subclasses work with
+# ---------------------------------------------------------------------------------------------
+# ``DefaultSavePlanner``/``DefaultLoadPlanner.set_up_planner`` flatten the nested state dict
+# and keep it, with the mapping back to the nesting, in attributes that torch's own planning
+# (``create_local_plan``, ``resolve_data``, ``resolve_tensor``, ``load_bytes``) reads again. A
+# subclass that changes what is planned changes that state. ``tests/core/test_compat.py`` checks
+# on torch's own planners that these attributes hold what these functions say.
+_FLAT_STATE, _MAPPINGS, _NESTED_STATE = "state_dict", "mappings", "original_state_dict"
+
+
+def _planner_attribute(planner: Any, name: str) -> Any:
+    try:
+        return getattr(planner, name)
+    except AttributeError:
+        raise TorchCompatError(
+            f"torch {torch.__version__}'s default DCP planners keep no {name!r} after set_up_planner: "
+            "dmuon's DCP planners are disabled; install a torch release the README lists as tested"
+        ) from None
+
+
+def planner_flat_state(planner: Any) -> dict[str, Any]:
+    """The flattened state dict a default planner plans and resolves items from."""
+    return _planner_attribute(planner, _FLAT_STATE)
+
+
+def set_planner_flat_state(planner: Any, flat: dict[str, Any]) -> None:
+    """Make the default planner plan (and resolve items from) ``flat`` instead."""
+    _planner_attribute(planner, _FLAT_STATE)
+    setattr(planner, _FLAT_STATE, flat)
+
+
+def planner_mappings(planner: Any) -> dict[str, tuple]:
+    """Flattened key -> path in the nested state dict (DCP's ``FLATTEN_MAPPING``)."""
+    return _planner_attribute(planner, _MAPPINGS)
+
+
+def planner_nested_state(planner: Any) -> dict[str, Any]:
+    """The nested state dict a default load planner was set up with (loaded objects go there)."""
+    return _planner_attribute(planner, _NESTED_STATE)
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.optim.Optimizer: the hooks of load_state_dict
+# ---------------------------------------------------------------------------------------------
+_LOAD_HOOKS = ("_optimizer_load_state_dict_pre_hooks", "_optimizer_load_state_dict_post_hooks")
+
+
+def optimizer_load_state_dict_hooks(optimizer: torch.optim.Optimizer) -> tuple[list, list]:
+    """The hooks registered with ``register_load_state_dict_pre_hook`` and
+    ``register_load_state_dict_post_hook``, in registration order."""
+    try:
+        pre, post = (getattr(optimizer, name) for name in _LOAD_HOOKS)
+    except AttributeError:
+        raise TorchCompatError(
+            f"torch {torch.__version__}'s Optimizer keeps its load_state_dict hooks elsewhere than {_LOAD_HOOKS}: "
+            "Muon.load_state_dict cannot run them; install a torch release the README lists as tested"
+        ) from None
+    return list(pre.values()), list(post.values())

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from . import fsdp_patch
+from . import compat, fsdp_patch
 from .dedicated import DedicatedParam, DedicatedRegistry, get_registry, register
 from .dedicated_state_dict import install_state_dict_hooks, refuse_placeholder_save
 from .ownership import assign_owners
@@ -67,6 +67,7 @@ def dedicate_params(
     """
     if get_registry(model) is not None:
         raise RuntimeError("dedicate_params was already called on this model")
+    compat.require_all("tree_flatten")
     fsdp_patch.install()
     topo = resolve_topology(mesh, replicate_mesh)
     tied = _tied_groups(model)
@@ -106,8 +107,8 @@ def dedicate_params(
 
     by_module: dict[nn.Module, list[DedicatedParam]] = {}
     for module in model.modules():
-        for held in module._parameters.values():
-            found = getattr(held, fsdp_patch.DEDICATED_ATTR, None) if held is not None else None
+        for _, held in module.named_parameters(recurse=False, remove_duplicate=False):
+            found = getattr(held, fsdp_patch.DEDICATED_ATTR, None)
             if found is not None and found.fqn in registry.records:
                 by_module.setdefault(module, []).append(found)
     for module, recs in by_module.items():

@@ -39,8 +39,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils._pytree import tree_flatten
 
+from . import compat
 from .topology import Topology, current_rank
 
 __all__ = [
@@ -167,7 +167,7 @@ class DedicatedParam:
 
 def _eager_only(hook):
     """Dynamo runs ``hook`` eagerly instead of tracing it (collectives, ``.data`` swaps)."""
-    return torch._dynamo.disable(hook, recursive=True)
+    return torch.compiler.disable(hook, recursive=True)
 
 
 class HookSite:
@@ -203,7 +203,7 @@ class HookSite:
                 for rec in recs:
                     rec.reshard()
             if grad_enabled and reshard_after_forward:
-                for tensor in tree_flatten(output)[0]:
+                for tensor in compat.tree_flatten(output)[0]:
                     if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
                         tensor.register_hook(eager_pre_backward)
             return output

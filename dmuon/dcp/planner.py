@@ -152,15 +152,19 @@ class DMuonSavePlanner(DefaultSavePlanner):
     def set_up_planner(self, state_dict, storage_meta=None, is_coordinator: bool = False) -> None:
         layouts = _find_layouts(state_dict)
         super().set_up_planner(state_dict, storage_meta, is_coordinator)
-        self.state_dict, layout = _take_layouts(self.state_dict, layouts)
-        self.mappings = {k: v for k, v in self.mappings.items() if k in self.state_dict}
+        flat, layout = _take_layouts(compat.planner_flat_state(self), layouts)
+        compat.set_planner_flat_state(self, flat)
+        mappings = compat.planner_mappings(self)  # (the plan carries them to the metadata)
+        for key in layouts:
+            mappings.pop(key, None)
         self.layout, self.topology, self.key_order = layout.entries, layout.topology, layout.order
         self.rank = current_rank()
+        self._local_plan: SavePlan | None = None
 
-    def _local_problems(self) -> list[str]:
+    def _local_problems(self, state: dict[str, Any]) -> list[str]:
         """Dedicated keys holding the wrong thing, or missing on the rank that must write them."""
         problems = []
-        for key, value in self.state_dict.items():
+        for key, value in state.items():
             expected = expected_dedicated(key, self.layout)
             if expected is None:
                 continue
@@ -168,23 +172,22 @@ class DMuonSavePlanner(DefaultSavePlanner):
             if problem is not None:
                 problems.append(f"rank {self.rank}: {key!r} is {problem}")
         for key, entry in self.layout.items():
-            if entry.writer == self.rank and key not in self.state_dict:
+            if entry.writer == self.rank and key not in state:
                 problems.append(f"rank {self.rank} must write dedicated tensor {key!r} but its state dict lacks it")
         return problems
 
     def create_local_plan(self) -> SavePlan:
-        problems = self._local_problems()
+        everything = compat.planner_flat_state(self)
+        problems = self._local_problems(everything)
         if problems:
             raise SaveRefusedError(problems)
-        everything = self.state_dict
         # HSDP replicas hold copies of a dedicated weight: only its writer plans it
-        self.state_dict = {
-            k: v for k, v in everything.items() if k not in self.layout or self.layout[k].writer == self.rank
-        }
+        mine = {k: v for k, v in everything.items() if k not in self.layout or self.layout[k].writer == self.rank}
+        compat.set_planner_flat_state(self, mine)
         try:
-            plan = super().create_local_plan()
+            plan = self._local_plan = super().create_local_plan()
         finally:
-            self.state_dict = everything
+            compat.set_planner_flat_state(self, everything)
         return self.plan_cache.offer_local(plan) if self.plan_cache is not None else plan
 
     def _check(self, all_plans: list[SavePlan]) -> None:
@@ -247,27 +250,26 @@ class DMuonSavePlanner(DefaultSavePlanner):
         if cache is not None:
             reused = cache.reuse_global(all_plans)  # no rank's plan changed: all checked before
             if reused is not None:
-                assert cache.global_plans is not None
-                send, self.metadata = reused
-                self.global_plan = cache.global_plans
-                return send, self.metadata
+                return reused
             all_plans = cache.fill_in(all_plans)
         self._check(all_plans)
         plans, metadata = super().create_global_plan(all_plans)
-        mappings = [p.planner_data for p in self.global_plan if p.planner_data]
+        mappings = [p.planner_data for p in plans if p.planner_data]
         lookup = ChainMap(*mappings)
         # no rank's dict has every key: merge their orders, the model's own order first
         order = merge_key_orders([self.key_order] + [list(m) for m in mappings])
         planner_data = {key: lookup[key] for key in order if key in lookup}
         planner_data[RESERVED_KEY] = self.describe()
-        self.metadata = dataclasses.replace(metadata, planner_data=planner_data)
+        metadata = dataclasses.replace(metadata, planner_data=planner_data)
         if cache is not None:
-            return cache.remember_global(all_plans, plans, self.metadata), self.metadata
-        return plans, self.metadata
+            return cache.remember_global(all_plans, plans, metadata), metadata
+        return plans, metadata
 
     def finish_plan(self, new_plan: SavePlan) -> SavePlan:
         if self.plan_cache is not None:
-            new_plan = self.plan_cache.finish(self.plan, new_plan)
+            if self._local_plan is None:
+                raise RuntimeError("finish_plan before create_local_plan")
+            new_plan = self.plan_cache.finish(self._local_plan, new_plan)
         return super().finish_plan(new_plan)
 
 
@@ -290,16 +292,18 @@ class DMuonLoadPlanner(DefaultLoadPlanner):
 
     def __init__(self, allow_partial_load: bool = False) -> None:
         super().__init__(flatten_state_dict=True, flatten_sharded_tensors=True, allow_partial_load=allow_partial_load)
+        self.partial = allow_partial_load
         self.skipped: list[str] = []
 
     def set_up_planner(self, state_dict, metadata: Metadata | None = None, is_coordinator: bool = False) -> None:
         layouts = _find_layouts(state_dict)
         super().set_up_planner(state_dict, metadata, is_coordinator)
-        regular, layout_ = _take_layouts(self.state_dict, layouts)
+        self.checkpoint = metadata
+        regular, layout_ = _take_layouts(compat.planner_flat_state(self), layouts)
         layout = layout_.entries
         # What every key should look like (for validation on every rank), and what this rank reads.
         self.expected: dict[str, tuple[tuple, torch.dtype] | None] = {}
-        self.state_dict = {}
+        state = {}
         self.refused: dict[str, str] = {}
         for fqn, value in regular.items():
             dedicated = expected_dedicated(fqn, layout)
@@ -308,15 +312,16 @@ class DMuonLoadPlanner(DefaultLoadPlanner):
                 self.refused[fqn] = f"{fqn}: the state dict being loaded into holds {problem}"
             else:
                 self.expected[fqn] = _tensor_spec(value)
-            self.state_dict[fqn] = value
+            state[fqn] = value
+        compat.set_planner_flat_state(self, state)
         for fqn, entry in layout.items():
             # held here or not, every rank checks it: all ranks then report the same problems
             self.expected[fqn] = (tuple(entry.shape), entry.dtype)
 
     def _problems(self) -> dict[str, str]:
         problems: dict[str, str] = dict(self.refused)
-        assert self.metadata is not None
-        stored = self.metadata.state_dict_metadata
+        assert self.checkpoint is not None
+        stored = self.checkpoint.state_dict_metadata
         for fqn, want in self.expected.items():
             md = stored.get(fqn)
             if md is None:
@@ -371,22 +376,24 @@ class DMuonLoadPlanner(DefaultLoadPlanner):
         return tuple(sorted(sections))
 
     def create_local_plan(self) -> LoadPlan:
-        if self.metadata is None:
+        if self.checkpoint is None:
             raise RuntimeError("DMuonLoadPlanner needs the checkpoint metadata")
         problems = self._problems()
-        if problems and not self.allow_partial_load:
+        if problems and not self.partial:
             raise CheckpointMismatchError(list(problems.values()))
+        state = compat.planner_flat_state(self)
         if problems:
             self.skipped = sorted(problems)
             log.warning("partial load: skipping %d entries:\n  %s", len(problems), "\n  ".join(problems.values()))
             for fqn in problems:
-                self.state_dict.pop(fqn, None)
-        return create_default_local_load_plan(self.state_dict, self.metadata, strict=True)
+                state.pop(fqn, None)
+        return create_default_local_load_plan(state, self.checkpoint, strict=True)
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         # Non-tensor entries: plain data only, never arbitrary objects.
         obj = torch.load(value, weights_only=True)
-        compat.set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        path = compat.planner_mappings(self)[read_item.dest_index.fqn]
+        compat.set_element(compat.planner_nested_state(self), path, obj)
 
 
 __all__ = ["DMuonLoadPlanner", "DMuonSavePlanner", "merge_key_orders"]

@@ -232,7 +232,8 @@ class Muon(torch.optim.Optimizer):
         parameters this rank does not own are ignored, so a full dict loads on every rank;
         tensors keep their dtype (a master's fp32 momentum is never cast to the compute dtype).
         """
-        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+        pre_hooks, post_hooks = compat.optimizer_load_state_dict_hooks(self)
+        for pre_hook in pre_hooks:
             result = pre_hook(self, state_dict)
             if result is not None:
                 state_dict = result
@@ -281,7 +282,7 @@ class Muon(torch.optim.Optimizer):
                     target.fill_(value)
         for mine, saved in zip(self.param_groups, saved_groups):
             apply_hyperparameters(mine, saved)
-        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+        for post_hook in post_hooks:
             post_hook(self)
 
     # -- the update --------------------------------------------------------------------------

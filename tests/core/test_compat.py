@@ -33,6 +33,74 @@ def test_fsdp_patch_target_takes_ignored_params():
     assert "ignored_params" in inspect.signature(target).parameters
 
 
+def test_tree_flatten_finds_the_tensors_of_a_nested_output():
+    a, b, c = torch.ones(1), torch.ones(2), torch.ones(3)
+    leaves, _ = compat.tree_flatten({"x": (a, [b]), "y": {"z": c}, "n": 3})
+    assert [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)] == [a, b, c]
+
+
+def test_pickled_metadata_names_no_other_private_global(tmp_path):
+    import io
+    import pickle
+
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"w": torch.ones(2, 3), "obj": {"epoch": 1}}, checkpoint_id=str(tmp_path), no_dist=True)
+    names = set()
+
+    class Recording(pickle.Unpickler):
+        def find_class(self, module, name):
+            names.add((module, name))
+            return super().find_class(module, name)
+
+    Recording(io.BytesIO((tmp_path / ".metadata").read_bytes())).load()
+    private = {(module, name) for module, name in names if name.startswith("_") or "._" in module}
+    assert private and private <= compat.PICKLED_METADATA_GLOBALS
+    for module, name in compat.PICKLED_METADATA_GLOBALS:
+        assert getattr(importlib.import_module(module), name) is not None
+
+
+def test_default_planners_keep_the_state_dmuon_plans_with():
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+
+    weight, other = torch.ones(2), torch.zeros(3)
+    nested = {"a": {"b": weight}, "c": other}
+    saver = DefaultSavePlanner()
+    saver.set_up_planner(nested, is_coordinator=True)
+    assert compat.planner_flat_state(saver) == {"a.b": weight, "c": other}
+    assert compat.planner_mappings(saver) == {"a.b": ("a", "b"), "c": ("c",)}
+    compat.set_planner_flat_state(saver, {"a.b": weight})  # what is planned and resolved follows
+    plan = saver.create_local_plan()
+    assert [item.index.fqn for item in plan.items] == ["a.b"]
+    assert saver.resolve_data(plan.items[0]) is weight
+
+    _, metadata = saver.create_global_plan([saver.create_local_plan()])
+    loader = DefaultLoadPlanner()
+    target = {"a": {"b": torch.zeros(2)}}
+    loader.set_up_planner(target, metadata, is_coordinator=True)
+    assert compat.planner_nested_state(loader) is target
+    assert list(compat.planner_flat_state(loader)) == ["a.b"] and compat.planner_mappings(loader)["a.b"] == ("a", "b")
+    replacement = torch.full((2,), 7.0)
+    compat.set_planner_flat_state(loader, {"a.b": replacement})
+    [read] = loader.create_local_plan().items
+    assert loader.resolve_tensor(read).data_ptr() == replacement.data_ptr()
+
+
+def test_optimizer_load_state_dict_hooks_are_the_registered_ones():
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)
+    assert compat.optimizer_load_state_dict_hooks(optimizer) == ([], [])
+
+    def pre(opt, state_dict):
+        return None
+
+    def post(opt):
+        return None
+
+    optimizer.register_load_state_dict_pre_hook(pre)
+    optimizer.register_load_state_dict_post_hook(post)
+    assert compat.optimizer_load_state_dict_hooks(optimizer) == ([pre], [post])
+
+
 def request_worker(rank, world):
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
@@ -75,7 +143,8 @@ def test_torch_async_save_runs_on_a_thread_named_with_the_prefix(tmp_path):
 def test_compat_names_are_all_exercised():
     tested = {"StorageInfo", "DCP_ASYNC_THREAD_PREFIX", "CURRENT_DCP_VERSION", "set_element", "rebuild_tensor", "storage_type_names",
               "FSDP_PATCH_MODULE", "FSDP_PATCH_TARGET", "state_dict_request", "StateDictRequest", "TorchCompatError",
-              "missing_features", "require_all"}
+              "missing_features", "require_all", "tree_flatten", "PICKLED_METADATA_GLOBALS", "planner_flat_state",
+              "set_planner_flat_state", "planner_mappings", "planner_nested_state", "optimizer_load_state_dict_hooks"}
     assert set(compat.__all__) == tested
 
 

@@ -24,6 +24,7 @@ import pickle
 import torch
 from torch.distributed.checkpoint.metadata import Metadata
 
+from ... import compat
 from ..errors import CheckpointCorruptError, UnsafeCheckpointError
 from ..gc_pause import paused_gc
 
@@ -40,15 +41,10 @@ _ALLOWED_GLOBALS = (
             "TensorProperties",
             "MetadataIndex",
             "StorageMeta",
-            "_MEM_FORMAT_ENCODING",
         )
     }
-    | {
-        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-        ("torch", "Size"),
-        ("torch.serialization", "_get_layout"),
-        ("collections", "OrderedDict"),
-    }
+    | compat.PICKLED_METADATA_GLOBALS
+    | {("torch", "Size"), ("collections", "OrderedDict")}
     | {("pathlib", name) for name in ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath")}
 )
 # Where another Python keeps an allowed class: looked up under its public name, which every
