@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -50,7 +49,6 @@ __all__ = [
     "HookSite",
     "from_global_owner",
     "get_registry",
-    "live_registries",
     "register",
     "wait_all_replicate_broadcasts",
 ]
@@ -281,21 +279,10 @@ class DedicatedRegistry:
             self._raw.depth -= 1
 
 
-# Every model dedicate_params set up that is still alive (weak: a model that is deleted drops
-# out). DCP planners see only state dicts, not models: this is how they learn which keys are
-# dedicated weights, to refuse a 0-element copy of one. Read it with :func:`live_registries`.
-_LIVE_REGISTRIES: weakref.WeakSet[DedicatedRegistry] = weakref.WeakSet()
-
-
-def live_registries() -> list[DedicatedRegistry]:
-    """The registries of all live models with dedicated parameters in this process."""
-    return list(_LIVE_REGISTRIES)
-
-
 def register(model: nn.Module, registry: DedicatedRegistry) -> None:
-    """Attach ``registry`` to its model and make it visible to :func:`live_registries`."""
+    """Attach ``registry`` to its model: everything that needs it (the optimizer, state dicts,
+    ``AppState``, the planners given the model) finds it there, and nowhere else."""
     setattr(model, REGISTRY_ATTR, registry)
-    _LIVE_REGISTRIES.add(registry)
 
 
 def get_registry(model: nn.Module) -> DedicatedRegistry | None:

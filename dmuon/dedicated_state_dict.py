@@ -5,8 +5,8 @@ it and leaves it out everywhere else (hooks on the root module), so that torch's
 planner, writes it whole from a rank that has it: a 0-element placeholder under the same key
 could otherwise win DCP's de-duplication and replace the weight with nothing.
 ``model.load_state_dict`` accepts exactly that, and also a full single-process state dict.
-The DCP planners use :func:`find_dedicated` and :func:`dedicated_value_problem` to refuse a
-placeholder that reaches them by another route.
+The DCP planners use :func:`dedicated_value_problem` to refuse a placeholder that reaches them
+by another route under a key they know to be dedicated.
 """
 
 from __future__ import annotations
@@ -17,11 +17,10 @@ import torch
 from torch import nn
 
 from . import compat, fsdp_patch
-from .dedicated import DedicatedParam, DedicatedRegistry, from_global_owner, get_registry, live_registries
+from .dedicated import DedicatedRegistry, from_global_owner, get_registry
 
 __all__ = [
     "dedicated_value_problem",
-    "find_dedicated",
     "install_state_dict_hooks",
     "raw_state_dict",
     "refuse_placeholder_save",
@@ -61,26 +60,6 @@ def dedicated_value_problem(shape: tuple[int, ...], value) -> str | None:
             "dmuon.get_model_state_dict(model) or dmuon.dcp.AppState(model, optimizer)"
         )
     return f"shape {tuple(value.shape)}, but the dmuon dedicated tensor has shape {shape}"
-
-
-def find_dedicated(key: str) -> tuple[DedicatedParam, str | None] | None:
-    """The dedicated parameter a flattened state-dict key stands for, in any live model.
-
-    ``(rec, None)`` for the weight itself (``<prefix>.<fqn>``), ``(rec, name)`` for optimizer
-    state (``<prefix>.state.<fqn>.<name>``). Matched on the key's dotted suffix.
-    """
-    parts = key.split(".")
-    for registry in live_registries():
-        aliases = registry.by_alias()
-        for start in range(len(parts)):
-            rec = aliases.get(".".join(parts[start:]))
-            if rec is not None:
-                return rec, None
-            if start > 0 and parts[start - 1] == "state" and len(parts) - start >= 2:
-                rec = aliases.get(".".join(parts[start:-1]))
-                if rec is not None:
-                    return rec, parts[-1]
-    return None
 
 
 def refuse_placeholder_save(fqn: str, obj) -> list:

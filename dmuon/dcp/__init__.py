@@ -18,10 +18,11 @@ from .errors import (
     UnsafeCheckpointError,
 )
 from .export import export
+from .load_planner import DMuonLoadPlanner
 from .manager import CheckpointManager
 from .plan_cache import SavePlanCache
-from .planner import DMuonLoadPlanner, DMuonSavePlanner
 from .reader import DMuonStorageReader
+from .save_planner import DMuonSavePlanner
 from .storage import RetryPolicy, Store
 from .storage.registry import open_store, register_store, unregister_store
 from .tier_restore import RestoreReport

@@ -21,9 +21,10 @@ from .errors import from_checkpoint_exception
 from .format.layout import EXTRA_SECTION
 from .gc_pause import paused_gc
 from .hf import is_safetensors_checkpoint, load_safetensors
+from .load_planner import DMuonLoadPlanner
 from .plan_cache import SavePlanCache
-from .planner import DMuonLoadPlanner, DMuonSavePlanner
 from .reader import DMuonStorageReader
+from .save_planner import DMuonSavePlanner
 from .writer import DMuonStorageWriter
 
 __all__ = ["extra_template", "load", "run_checkpoint_op", "save"]

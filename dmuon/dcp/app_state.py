@@ -12,6 +12,7 @@ shapes and dtypes, and which rank writes each.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,7 +25,7 @@ from ..optim.muon import ADAMW_GROUP, SCALAR_DTYPE, Muon, state_field_shape
 from ..state_dict import hyperparameters, restore_hyperparameters, state_fields
 from .format.layout import EXTRA_SECTION, MODEL_SECTION, OPTIM_SECTION, RESERVED_KEY
 
-__all__ = ["AppState", "DedicatedEntry", "DedicatedLayout", "model_state", "optimizer_state"]
+__all__ = ["AppState", "DedicatedEntry", "DedicatedLayout", "collect_layout", "model_state", "optimizer_state"]
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,43 @@ class DedicatedLayout:
 
 def _entry(rec: DedicatedParam, shape, dtype: torch.dtype, aliases: tuple[str, ...] = ()) -> DedicatedEntry:
     return DedicatedEntry(tuple(shape), dtype, rec.topo.global_rank(rec.owner), rec.owner, aliases)
+
+
+def collect_layout(
+    state_dict: Mapping, models: Mapping[str, nn.Module] | None = None
+) -> tuple[DedicatedLayout, set[str]]:
+    """What a planner knows of the dedicated tensors of ``state_dict``, keyed as DCP flattens it.
+
+    Two sources, both given, never searched for: the :class:`DedicatedLayout` entries an
+    ``AppState`` put into the dict, and ``models``, the caller's word that under a key of the
+    dict (``""``: the dict itself) lies that model's ``state_dict()``, where every tied alias of
+    a dedicated weight is a key of its own. Also returns the flattened keys of the layout
+    entries, which are descriptions, not state.
+
+    Read before torch's planners flatten the dict: their set-up replaces objects they do not
+    know (with None, on load).
+    """
+    layout = DedicatedLayout()
+    found: set[str] = set()
+
+    def visit(mapping: Mapping, prefix: str) -> None:
+        for key, value in mapping.items():
+            if isinstance(value, DedicatedLayout):
+                found.add(f"{prefix}{key}")
+                layout.entries.update({prefix + rel: entry for rel, entry in value.entries.items()})
+                layout.order += [prefix + rel for rel in value.order]
+                layout.topology = value.topology
+            elif isinstance(value, Mapping):
+                visit(value, f"{prefix}{key}.")
+
+    visit(state_dict, "")
+    for where, model in (models or {}).items():
+        registry = get_registry(model)
+        prefix = f"{where}." if where else ""
+        for rec in registry or ():
+            layout.entries.update({prefix + alias: _entry(rec, rec.shape, rec.master_dtype) for alias in rec.aliases})
+            layout.topology = (rec.topo.replicate_size, rec.topo.shard_size)
+    return layout, found
 
 
 def model_state(model: nn.Module, layout: DedicatedLayout) -> dict[str, Any]:

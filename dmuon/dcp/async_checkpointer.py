@@ -37,7 +37,7 @@ from ..optim.muon import Muon
 from .app_state import AppState
 from .errors import CheckpointError, from_checkpoint_exception
 from .plan_cache import SavePlanCache
-from .planner import DMuonSavePlanner
+from .save_planner import DMuonSavePlanner
 from .writer import DMuonStorageWriter
 
 __all__ = ["AsyncCheckpointer", "AsyncSaveHandle", "async_checkpointer", "async_save", "pending_async_saves"]

@@ -188,7 +188,8 @@ def refuse_worker(rank, world, path, variant):
         sd = {k: params[k].detach().clone() if k.endswith("proj.weight") else v for k, v in params.items()}
     elif variant == "wrong_shape":
         sd[DEDICATED] = torch.zeros(3, 32) if DEDICATED in sd else torch.zeros(3, 32)
-    dcp.save(sd, checkpoint_id=path, planner=ddcp.DMuonSavePlanner())
+    # the caller says whose state dict this is: the planner checks its dedicated keys
+    dcp.save(sd, checkpoint_id=path, planner=ddcp.DMuonSavePlanner(models={"": model}))
 
 
 @pytest.mark.parametrize("variant,needle", [

@@ -174,6 +174,29 @@ def test_plain_model_state_dict_works_with_the_planners(tmp_path):
     assert max_abs_diff(loaded, saved) == 0.0
 
 
+def missing_embedding_worker(rank, world, path, models):
+    """A model without the checkpoint's embedding: no rank holds that key."""
+    model, _ = build()
+    state = {"model": model.state_dict()}
+    del state["model"]["embed.weight"]
+    planner = ddcp.DMuonLoadPlanner(models={"model": model} if models else None)
+    try:
+        dcp.load(state, checkpoint_id=path, planner=planner)
+    except BaseException as exc:  # noqa: BLE001 - DCP raises a BaseException
+        return str(exc)
+    return None
+
+
+@pytest.mark.parametrize("models", [False, True], ids=["from-the-plans", "from-the-caller"])
+def test_a_checkpoint_key_no_rank_holds_is_refused_and_dedicated_ones_are_not(tmp_path, models):
+    path = str(tmp_path / "plain")
+    run_ranks(plain_state_dict_worker, 2, path, "save")
+    for message in run_ranks(missing_embedding_worker, 2, path, models):
+        assert message is not None and "CheckpointMismatchError" in message
+        assert "model.embed.weight: in the checkpoint but not in the model" in message
+        assert "proj.weight" not in message  # held by one rank only: a dedicated weight, not extra
+
+
 def test_default_planner_refuses_an_app_state_before_writing(tmp_path):
     with pytest.raises(RankFailed, match=r"save it with planner=dmuon\.dcp\.DMuonSavePlanner\(\)"):
         run_ranks(default_planner_worker, 2, str(tmp_path / "x"))
