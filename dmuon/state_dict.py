@@ -9,7 +9,7 @@ copy out the part each rank holds, without any communication.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, cast
 
 import torch
@@ -17,17 +17,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from .dedicated import DedicatedParam, DedicatedRegistry, from_global_owner, get_registry
+from .dedicated import DedicatedRegistry, from_global_owner, get_registry
 from .dedicated_state_dict import raw_state_dict
-from .optim.muon import (
-    ADAMW_GROUP,
-    MUON_GROUP,
-    SCALAR_DTYPE,
-    STATE_FIELDS,
-    Muon,
-    apply_hyperparameters,
-    state_field_shape,
-)
+from .optim.muon import ADAMW_GROUP, MUON_GROUP, Muon, apply_hyperparameters, state_field_shape, state_fields
 from .topology import current_rank as _rank
 
 __all__ = [
@@ -41,7 +33,6 @@ __all__ = [
     "restore_hyperparameters",
     "set_model_state_dict",
     "set_optimizer_state_dict",
-    "state_fields",
     "write_full_state",
 ]
 
@@ -94,11 +85,13 @@ def _full_tensor(tensor: torch.Tensor, rank0_only: bool) -> torch.Tensor | None:
     return tensor if (not rank0_only or _rank() == 0) else None
 
 
-def _finish(tensor: torch.Tensor | None, cpu_offload: bool) -> torch.Tensor | None:
-    if tensor is None:
-        return None
+def _copy_out(tensor: torch.Tensor, cpu_offload: bool) -> torch.Tensor:
     # Always a copy: the result must not alias live parameters or optimizer state.
     return tensor.detach().to("cpu" if cpu_offload else tensor.device, copy=True)
+
+
+def _finish(tensor: torch.Tensor | None, cpu_offload: bool) -> torch.Tensor | None:
+    return None if tensor is None else _copy_out(tensor, cpu_offload)
 
 
 def _registry(model: nn.Module) -> DedicatedRegistry | None:
@@ -256,18 +249,6 @@ def _check_optimizer(model: nn.Module, optimizer: Any) -> Muon:
     return optimizer
 
 
-def _adamw_fsdp_params(optimizer: Muon) -> Iterator[tuple[str, torch.Tensor]]:
-    """(fqn, param) of AdamW parameters that are not dedicated: the same list on every rank."""
-    for param in optimizer.group(ADAMW_GROUP)["params"]:
-        if id(param) not in optimizer.dedicated_of:
-            yield optimizer.fqn_of[id(param)], param
-
-
-def state_fields(rec: DedicatedParam) -> dict[str, str]:
-    """The optimizer state a dedicated parameter has on its global owner: name -> kind."""
-    return STATE_FIELDS[MUON_GROUP if rec.uses_muon else ADAMW_GROUP]
-
-
 def hyperparameters(optimizer: Muon) -> list[dict[str, Any]]:
     return [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
 
@@ -288,7 +269,7 @@ def get_optimizer_state_dict(
     registry = _registry(model)
     keep = not rank0_only or _rank() == 0
     fsdp2: dict[str, dict[str, torch.Tensor]] = {}
-    for fqn, param in _adamw_fsdp_params(optimizer):
+    for fqn, param in optimizer.plain_adamw_params():
         entry = {}
         for name, value in optimizer.state[param].items():
             full = _finish(_full_tensor(value, rank0_only), cpu_offload)
@@ -300,14 +281,8 @@ def get_optimizer_state_dict(
     for rec in registry or ():
         if not rec.trainable:
             continue
-        entry = {}
-        for name, kind in state_fields(rec).items():
-            mine = optimizer.state[rec.param][name] if rec.is_global_owner else None
-            dtype = SCALAR_DTYPE if kind == "scalar" else rec.master_dtype
-            full = from_global_owner(rec, mine, rank0_only, shape=state_field_shape(kind, rec.shape), dtype=dtype)
-            full = _finish(full, cpu_offload)
-            if full is not None:
-                entry[name] = full
+        gathered = optimizer.gather_dedicated_state(rec, rank0_only)
+        entry = {name: _copy_out(full, cpu_offload) for name, full in gathered.items()}
         if keep:
             dedicated[rec.fqn] = entry
     if not keep:
@@ -326,7 +301,7 @@ def set_optimizer_state_dict(model: nn.Module, optimizer: Muon, state_dict: Mapp
         if section not in state_dict:
             raise StateDictError(f"set_optimizer_state_dict: the state dict has no {section!r} section")
     problems: list[str] = []
-    fsdp_params = list(_adamw_fsdp_params(optimizer))
+    fsdp_params = list(optimizer.plain_adamw_params())
     for fqn, param in fsdp_params:
         shapes = {name: tuple(t.shape) for name, t in optimizer.state[param].items()}
         _check_entry(problems, "fsdp2", fqn, state_dict["fsdp2"].get(fqn), shapes)

@@ -21,8 +21,8 @@ from torch import nn
 
 from ..dedicated import DedicatedParam, get_registry
 from ..dedicated_state_dict import raw_state_dict
-from ..optim.muon import ADAMW_GROUP, SCALAR_DTYPE, Muon, state_field_shape
-from ..state_dict import hyperparameters, restore_hyperparameters, state_fields
+from ..optim.muon import Muon, state_field_spec, state_fields
+from ..state_dict import hyperparameters, restore_hyperparameters
 from .format.layout import EXTRA_SECTION, MODEL_SECTION, OPTIM_SECTION, RESERVED_KEY
 
 __all__ = ["AppState", "DedicatedEntry", "DedicatedLayout", "collect_layout", "model_state", "optimizer_state"]
@@ -126,19 +126,15 @@ def model_state(model: nn.Module, layout: DedicatedLayout) -> dict[str, Any]:
 
 
 def optimizer_state(optimizer: Muon, layout: DedicatedLayout) -> dict[str, Any]:
-    state: dict[str, dict[str, Any]] = {}
-    for param in optimizer.group(ADAMW_GROUP)["params"]:
-        if id(param) not in optimizer.dedicated_of:
-            state[optimizer.fqn_of[id(param)]] = dict(optimizer.state[param])
+    state: dict[str, dict[str, Any]] = {fqn: dict(optimizer.state[p]) for fqn, p in optimizer.plain_adamw_params()}
     for rec in optimizer.registry or ():
         if not rec.trainable:
             continue
         if rec.is_global_owner:
             state[rec.fqn] = dict(optimizer.state[rec.param])
         for name, kind in state_fields(rec).items():
-            dtype = SCALAR_DTYPE if kind == "scalar" else rec.master_dtype
-            key = f"{OPTIM_SECTION}.state.{rec.fqn}.{name}"
-            layout.entries[key] = _entry(rec, state_field_shape(kind, rec.shape), dtype)
+            shape, dtype = state_field_spec(kind, rec)
+            layout.entries[f"{OPTIM_SECTION}.state.{rec.fqn}.{name}"] = _entry(rec, shape, dtype)
     groups = {group.pop("name"): group for group in hyperparameters(optimizer)}
     return {"state": state, "param_groups": groups}
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -35,6 +36,8 @@ __all__ = [
     "Muon",
     "apply_hyperparameters",
     "state_field_shape",
+    "state_field_spec",
+    "state_fields",
 ]
 
 MUON_GROUP = "muon"
@@ -51,6 +54,16 @@ SCALAR_DTYPE = torch.float32
 
 def state_field_shape(kind: str, param_shape) -> tuple[int, ...]:
     return () if kind == "scalar" else tuple(param_shape)
+
+
+def state_fields(rec: DedicatedParam) -> dict[str, str]:
+    """The optimizer state a dedicated parameter has on its global owner: name -> kind."""
+    return STATE_FIELDS[MUON_GROUP if rec.uses_muon else ADAMW_GROUP]
+
+
+def state_field_spec(kind: str, rec: DedicatedParam) -> tuple[tuple[int, ...], torch.dtype]:
+    """(shape, dtype) of one field of a dedicated parameter's state, on every rank alike."""
+    return state_field_shape(kind, rec.shape), SCALAR_DTYPE if kind == "scalar" else rec.master_dtype
 
 
 def apply_hyperparameters(group: dict, saved: dict) -> None:
@@ -173,6 +186,25 @@ class Muon(torch.optim.Optimizer):
             return param
         return rec.master if rec.is_global_owner else None
 
+    def plain_adamw_params(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(fqn, param) of the AdamW parameters that are not dedicated (FSDP2 shards and any
+        other trainable tensor): the same list on every rank, each updated where it lies."""
+        for param in self.group(ADAMW_GROUP)["params"]:
+            if id(param) not in self.dedicated_of:
+                yield self.fqn_of[id(param)], param
+
+    def gather_dedicated_state(self, rec: DedicatedParam, rank0_only: bool) -> dict[str, torch.Tensor]:
+        """Collective: the optimizer state of a dedicated parameter, sent from its global owner
+        to global rank 0 (``rank0_only``) or to every rank; ``{}`` on the ranks that get none."""
+        gathered = {}
+        for name, kind in state_fields(rec).items():
+            shape, dtype = state_field_spec(kind, rec)
+            mine = self.state[rec.param][name] if rec.is_global_owner else None
+            full = from_global_owner(rec, mine, rank0_only, shape=shape, dtype=dtype)
+            if full is not None:
+                gathered[name] = full
+        return gathered
+
     def group(self, name: str) -> dict:
         for group in self.param_groups:
             if group.get("name") == name:
@@ -210,17 +242,7 @@ class Muon(torch.optim.Optimizer):
         for group in self.param_groups:
             for param in group["params"]:
                 rec = self.dedicated_of.get(id(param))
-                if rec is None:
-                    continue
-                mine = self.state[param]
-                gathered = {}
-                for name, kind in STATE_FIELDS[group["name"]].items():
-                    shape = state_field_shape(kind, rec.shape)
-                    dtype = SCALAR_DTYPE if kind == "scalar" else rec.master_dtype
-                    value = mine.get(name) if rec.is_global_owner else None
-                    full = from_global_owner(rec, value, request.cpu_offload, shape=shape, dtype=dtype)
-                    if full is not None:
-                        gathered[name] = full
+                gathered = self.gather_dedicated_state(rec, request.cpu_offload) if rec is not None else None
                 if gathered:
                     out["state"][positions[id(param)]] = gathered
         return out

@@ -16,38 +16,7 @@ Nothing here knows of models or planners; bytes come and go through ``storage`` 
 names of :mod:`.layout` are importable from this package too (``dmuon.dcp.format.METADATA``).
 """
 
-from .layout import (
-    EXTRA_SECTION,
-    FORMAT_VERSION,
-    HF_INDEX_FILE,
-    HF_SINGLE_FILE,
-    METADATA,
-    MODEL_PREFIX,
-    MODEL_SECTION,
-    OPTIM_SECTION,
-    RESERVED_KEY,
-    data_file_name,
-    hf_shard_name,
-    is_dmuon_file,
-    is_manifest_name,
-    manifest_name,
-    rank_of_data_file,
-)
+from . import layout
+from .layout import *  # noqa: F403 - the layout's names are the package's own
 
-__all__ = [
-    "EXTRA_SECTION",
-    "FORMAT_VERSION",
-    "HF_INDEX_FILE",
-    "HF_SINGLE_FILE",
-    "METADATA",
-    "MODEL_PREFIX",
-    "MODEL_SECTION",
-    "OPTIM_SECTION",
-    "RESERVED_KEY",
-    "data_file_name",
-    "hf_shard_name",
-    "is_dmuon_file",
-    "is_manifest_name",
-    "manifest_name",
-    "rank_of_data_file",
-]
+__all__ = layout.__all__
