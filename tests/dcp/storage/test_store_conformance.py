@@ -2,15 +2,20 @@
 Ceph RGW) and GCS (fake-gcs-server), each through ``open_store`` as a checkpoint would use it.
 
 What a checkpoint relies on, case by case: a streamed file appears whole with its size or not
-at all; an exclusive put has one winner (the commit); listing shows files and child
-directories; ranged reads return the bytes asked for; a missing file is ``FileNotFoundError``;
-names that leave the store are refused; ``remove_tree`` removes a child and nothing else; a
-transient failure is retried as the store's policy says, and a permanent one never is.
+at all; an exclusive put has one winner (the commit), also among writers racing for it;
+listing shows files and child directories, and a directory never made lists empty; ranged
+reads return the bytes asked for, by ``read`` and by ``readinto`` (the verified reader's way);
+a missing file is ``FileNotFoundError`` (and deleting one is no error); names that leave the
+store are refused; ``remove_tree`` removes a child and nothing else; a transient failure is
+retried as the store's policy says (a write that lost its upload session too), and a
+permanent one, or a full disk, never is.
 """
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
+import threading
 import time
 import uuid
 
@@ -61,6 +66,21 @@ def test_ranged_reads_return_the_bytes_asked_for(store):
         assert f.read(100) == DATA[-3:]  # a read past the end is short, not an error
 
 
+def test_readinto_fills_a_buffer_from_an_offset(store):
+    with store.open_write("data") as f:
+        f.write(DATA)
+    with store.open_read("data") as f:
+        for offset, length in [(3, 4096), ((1 << 20) - 1, (1 << 20) + 2), (len(DATA) - 7, 7)]:
+            buffer = bytearray(length)
+            f.seek(offset)
+            got = 0
+            while got < length:
+                n = f.readinto(memoryview(buffer)[got:])
+                assert n, (offset, length, got)
+                got += n
+            assert bytes(buffer) == DATA[offset : offset + length], (offset, length)
+
+
 def test_a_write_that_fails_leaves_no_file(store):
     with pytest.raises(RuntimeError, match="midway"):
         with store.open_write("half") as f:
@@ -79,12 +99,42 @@ def test_an_exclusive_put_has_one_winner(store):
     assert store.list() == {"commit": len(b"replaced")}
 
 
+def test_racing_exclusive_puts_have_one_winner(store):
+    outcomes: dict[int, str] = {}
+    start = threading.Barrier(4)
+
+    def commit(writer: int) -> None:
+        start.wait()
+        try:
+            store.put("race", f"writer {writer}".encode(), exclusive=True)
+            outcomes[writer] = "won"
+        except FileExistsError:
+            outcomes[writer] = "lost"
+
+    threads = [threading.Thread(target=commit, args=(writer,)) for writer in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    [winner] = [writer for writer, outcome in outcomes.items() if outcome == "won"]
+    assert sorted(outcomes.values()) == ["lost"] * 3 + ["won"]
+    assert store.read("race") == f"writer {winner}".encode()
+
+
 def test_a_missing_file_is_file_not_found(store):
     with pytest.raises(FileNotFoundError):
         store.read("absent")
     with pytest.raises(FileNotFoundError):
         with store.open_read("absent") as f:
             f.read(1)
+    store.delete("absent")  # deleting what is not there is no error
+
+
+def test_a_directory_never_made_lists_empty(store):
+    never = store.child("never-made")
+    assert never.list() == {} and never.list_dirs() == []
+    assert not never.is_dir()
+    assert "never-made" not in store.list_dirs()
 
 
 def test_children_are_listed_and_removed_alone(store):
@@ -150,3 +200,29 @@ def test_a_transient_failure_is_retried_as_the_store_says_and_a_permanent_one_ne
     with pytest.raises(FileNotFoundError):
         retrying(store, "a read of a missing file", missing)
     assert len(permanent) == 1
+
+
+def test_a_write_is_retried_after_a_lost_upload_but_never_when_the_disk_is_full(store):
+    lost = []
+
+    def upload():
+        lost.append(1)
+        if len(lost) == 1:
+            raise FileNotFoundError("upload session not found")  # GCS forgets a resumable upload
+        return "written"
+
+    if store.retry.attempts > 1:
+        assert retrying(store, "writing a file", upload, writing=True) == "written" and len(lost) == 2
+    else:  # one attempt, and then not a missing file but a failed write, said so
+        with pytest.raises(StorageError, match="writing a file failed"):
+            retrying(store, "writing a file", upload, writing=True)
+
+    full = []
+
+    def no_room():
+        full.append(1)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.raises(StorageError, match="No space left"):
+        retrying(store, "writing a file", no_room, writing=True)
+    assert len(full) == 1
