@@ -62,8 +62,29 @@ def dedicate_params(
 ) -> dict[str, tuple[int, int]]:
     """Give each parameter selected by ``predicate(fqn, param)`` one owner rank.
 
-    Must run before ``fully_shard``; FSDP2 then leaves these parameters alone. Returns the owner
-    map ``{fqn: (replicate_rank, shard_rank)}``, identical on every rank.
+    Muon needs a weight matrix whole; FSDP2 would split it over the ranks. A *dedicated*
+    parameter is instead kept whole, in fp32, by one owner (under HSDP by every rank of the
+    owner's shard column), while every other rank holds a 0-element placeholder; forward
+    broadcasts it from the owner, backward reduces its gradient there. Must run before
+    ``fully_shard``, on every rank with the same model: FSDP2 then leaves these parameters alone
+    (``fsdp_patch.py``), and the ranks check that they selected the same parameters.
+
+    Args:
+        model: the unwrapped model (before any ``fully_shard``); its ``state_dict()`` becomes
+            dedicated-aware (the full weight on the ranks that hold it, absent elsewhere).
+        mesh: the 1-D shard mesh FSDP2 uses, or a 2-D mesh with dim names
+            ``("replicate", "shard")`` for HSDP.
+        predicate: ``(fqn, param) -> bool``, which parameters to dedicate (typically 2-D
+            weights: Muon updates matrices; a dedicated vector is updated with AdamW).
+        replicate_mesh: the 1-D replicate mesh of HSDP, when ``mesh`` is the 1-D shard mesh.
+        reshard_after_forward: drop the full weight on non-owners after forward and broadcast
+            it again before backward (the memory-saving default), or keep it until backward.
+        param_dtype: the dtype forward and backward compute in (the master stays fp32);
+            the parameter's own dtype by default.
+
+    Returns:
+        The owner map ``{fqn: (replicate_rank, shard_rank)}``, identical on every rank: sizes
+        are balanced over all owner slots, one layer's parameters spread over different owners.
     """
     if get_registry(model) is not None:
         raise RuntimeError("dedicate_params was already called on this model")

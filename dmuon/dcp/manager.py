@@ -30,9 +30,21 @@ log = logging.getLogger(__name__)
 class CheckpointManager:
     """``root/step-<N>`` checkpoints: save, resume from the newest good one, keep the last few.
 
-    Retention never deletes the newest committed step nor the one being written; steps that a
-    crash left without ``.metadata`` are ignored by :meth:`steps` and deleted. Deleting removes
-    ``.metadata`` first, so an interrupted deletion can only leave an incomplete directory.
+    A training job keeps one and calls :meth:`save` every few steps and :meth:`load_latest`
+    at start. Retention never deletes the newest committed step nor the one being written;
+    steps that a crash left without ``.metadata`` are ignored by :meth:`steps` and deleted.
+    Deleting removes ``.metadata`` first, so an interrupted deletion can only leave an
+    incomplete directory. The manager owns what saves keep from one to the next (the save plans,
+    and with ``async_save`` the staging memory and process group): :meth:`close` frees them.
+
+    Args:
+        root: a local directory or an fsspec URL (``s3://bucket/run``, ``gs://...``).
+        keep_last: committed steps kept; older ones are deleted after each save (>= 1).
+        async_save: save in the background (:func:`~dmuon.dcp.async_save`): :meth:`save`
+            returns once this rank's share is copied to host memory. Needs ``keep_last >= 2``,
+            since the step being written cannot be the only one kept.
+        storage_options: passed to the store of ``root`` (fsspec options: endpoint,
+            credentials; ``direct_io`` for a local directory).
     """
 
     def __init__(

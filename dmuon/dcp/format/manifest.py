@@ -3,7 +3,7 @@
 Written by the coordinator just before ``.metadata``; one line of JSON, then a line with the
 checksum of exactly that line, so any change to any byte of the manifest is detected.
 
-Version 3 (written since dmuon 0.3)::
+Version 3 (what dmuon writes)::
 
     {"format": "dmuon-manifest/3", "checksum": "xxh3-64", "save_id": "<hex>",
      "metadata": {"size": <bytes of .metadata>, "checksum": <int>},
@@ -20,8 +20,8 @@ data region is exactly the tensor's bytes, so a reader that needs only some rows
 verifies only the blocks holding them; an object is one head segment (``block`` 0). Every byte
 is covered once.
 
-Earlier versions are still read and verified. Version 2 (dmuon 0.2) is version 3 with
-``crc32c`` as the only kind (4-byte values). Version 1 (dmuon 0.1) is the same layout with
+Earlier versions are still read and verified (``tests/fixtures`` holds a checkpoint of each).
+Version 2 is version 3 with ``crc32c`` as the only kind (4-byte values). Version 1 is the same layout with
 zlib CRC-32 under ``crc32`` keys and a ``crc32=`` trailer; its oldest manifests also carry a
 whole-file ``crc32`` per file, which :class:`FileStats.whole_file` keeps for verification.
 """

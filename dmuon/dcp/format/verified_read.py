@@ -2,7 +2,7 @@
 
 :class:`VerifiedReads` reads single items (a ``torch.save`` payload or raw bytes) and checks
 each against its checksums before returning it; for a tensor item whose manifest entry has a
-block layout (dmuon >= 0.2) it reads just a range of the tensor's data straight into the
+block layout (manifest version 2 and later) it reads just a range of the tensor's data straight into the
 caller's memory, verifying each checksum block the range touches while it is in the CPU cache
 (:meth:`VerifiedReads.read_data_into`), and the zip frame around the data
 (:meth:`VerifiedReads.verify_frame`). :meth:`VerifiedReads.verify_files` re-reads whole files.
@@ -73,7 +73,7 @@ class VerifiedReads:
         return data
 
     def data_blocks(self, index: MetadataIndex) -> ItemChecksums | None:
-        """The block layout of a tensor item's bytes, when the manifest has one (dmuon >= 0.2)."""
+        """The block layout of a tensor item's bytes, when the manifest has one (version 2 and later)."""
         if self.manifest is None:
             return None
         info = self.metadata.storage_data[index]
