@@ -50,6 +50,30 @@ def imports_of(name: str, *, top_level: bool) -> set[str]:
     return found
 
 
+def missing_imports(name: str) -> set[str]:
+    """dmuon modules ``name`` imports from that do not exist (mypy, told to ignore missing
+    imports for torch's sake, does not say so)."""
+    path = MODULES[name]
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    missing = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module is not None:
+            if node.level:
+                base = package.split(".")
+                target = ".".join(base[: len(base) - node.level + 1] + [node.module])
+            else:
+                target = node.module
+        elif isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names if alias.name.split(".")[0] == "dmuon"]
+            missing |= {t for t in targets if t not in MODULES}
+            continue
+        else:
+            continue
+        if target.split(".")[0] == "dmuon" and target not in MODULES:
+            missing.add(target)
+    return missing
+
+
 def with_packages(importer: str, names: set[str]) -> set[str]:
     """Importing ``a.b.c`` runs ``a`` and ``a.b`` first, except the packages that hold the
     importer itself: they are already being initialised when it runs."""
@@ -69,6 +93,10 @@ GRAPH = {name: with_packages(name, imports_of(name, top_level=True)) for name in
 def test_no_module_is_over_400_lines(name):
     lines = len(MODULES[name].read_text().splitlines())
     assert lines <= MAX_LINES, f"{name} has {lines} lines"
+
+
+def test_every_dmuon_import_names_a_module_that_exists():
+    assert {name: found for name in MODULES if (found := missing_imports(name))} == {}
 
 
 def test_no_import_cycle():

@@ -40,10 +40,10 @@ from .errors import (
 )
 from .format.layout import EXTRA_SECTION, METADATA
 from .format.safe_metadata import load_metadata_bytes
+from .load_planner import DMuonLoadPlanner
 from .local_tier import CommitCopy, Holdings, LocalTier
 from .manager import CheckpointManager
 from .nodes import NodeLayout, TierGroups
-from .planner import DMuonLoadPlanner
 from .storage.local import LocalStore
 from .transfer import DEFAULT_CHUNK_BYTES, Incoming, Outgoing, exchange, merge_ranges
 
