@@ -71,7 +71,8 @@ def worker(rank, world, n_matrices, options, prefix, methods, repeats, warmup):
 
     import dmuon.dcp as ddcp
     from dmuon.dcp.format import rank_of_data_file
-    from dmuon.dcp.storage.fsspec_store import S3_PART_BYTES, S3_UPLOAD_CONCURRENCY, FsspecStore
+    from dmuon.dcp.storage.fsspec_store import FsspecStore
+    from dmuon.dcp.storage.s3_transfer import S3_PART_BYTES, S3_UPLOAD_CONCURRENCY
 
     os.environ.update(AWS_ACCESS_KEY_ID=options["key"], AWS_SECRET_ACCESS_KEY=options["secret"])
     model = save_load.build(n_matrices, dedicated=True)
