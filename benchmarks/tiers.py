@@ -70,6 +70,10 @@ def worker(args) -> None:
         dist.all_reduce(mine, op=dist.ReduceOp.MAX)
         return float(mine.item())
 
+    def agreement(manager, calls: int = 200) -> float:
+        """Seconds per call of the step boundary's one collective (nothing due, no notice)."""
+        return slowest(lambda: [manager._preempted(step, model, opt, None) for _ in range(calls)]) / calls
+
     samples: dict[str, list[float]] = {}
 
     def record(name: str, value: float) -> None:
@@ -90,33 +94,52 @@ def worker(args) -> None:
     manager = ddcp.TieredCheckpointManager(local, f"{args.persistent}", local_every=10**9, storage_options=options,
                                            preemption_signals=None)
     steps(2)  # warm up
+    step += 1
+    manager.save(step, model, opt)  # warm up (the first local write probes the filesystem)
+    manager.wait()
     for repeat in range(args.repeats):
-        record("train: no manager", slowest(lambda: steps(args.steps)) / args.steps)
-        record("train: manager.step, nothing due", slowest(lambda: steps(args.steps, idle)) / args.steps)
-        record("train: manager.step, no preemption check", slowest(lambda: steps(args.steps, quiet)) / args.steps)
-        step += 1
-        record("save: local (blocking)", slowest(lambda: manager.save(step, model, opt, persistent=True)))
-        record("train: replication + copy to S3 in flight",
+        base = slowest(lambda: steps(args.steps))
+        record("train: step, no manager", base / args.steps)
+        record("train: step + manager.step, nothing due", slowest(lambda: steps(args.steps, idle)) / args.steps)
+        record("train: step + manager.step, no preemption check",
                slowest(lambda: steps(args.steps, quiet)) / args.steps)
-        manager.wait()
-        record("save: replication (background)", largest(manager.background_seconds["replication"]))
-        record("save: copy to S3 (background)", largest(manager.background_seconds["promotion"]))
+        for promote, label in ((False, "replication"), (True, "replication + copy to S3")):
+            step += 1
+            saved = step
+            record(f"save: local, blocking ({label} after)",
+                   slowest(lambda: manager.save(saved, model, opt, persistent=promote)))
+            during = slowest(lambda: steps(args.steps, quiet))
+            busy = manager.background.busy()
+            record(f"train: {args.steps} steps with {label} in flight, extra s", during - base)
+            manager.wait()
+            record(f"train: ... {label} still running after them (1 = yes)", float(largest(float(busy))))
+        for name, label in (("replication", "replication"), ("promotion", "copy to S3")):
+            record(f"save: {label} (background)", largest(manager.background_seconds[name]))
+        for promote, label in ((False, "replication"), (True, "replication + copy to S3")):
+            step += 1
+            manager.save(step, model, opt, persistent=promote)
+            cpu = time.process_time()
+            manager.wait()  # nothing else running: all of this process's CPU is the background work's
+            record(f"save: {label}, CPU s of the process, alone", largest(time.process_time() - cpu))
+        saved = step
+        record("step boundary: the preemption all-reduce alone (ms)", agreement(idle) * 1000)
         record("save: plain ddcp.save to S3 (blocking)", slowest(lambda: ddcp.save(
             model, opt, f"{args.persistent}-direct/{repeat}", storage_options=options)))
         record("restore: local tier", slowest(lambda: manager.restore(model, opt)))
-        assert manager.last_restore.source == "local"
+        assert manager.last_restore.source == "local" and manager.last_restore.step == saved
         if node == 0:  # one worker per node here
             shutil.rmtree(local)
         dist.barrier()
         record("restore: peer replica (node 0's directory gone)", slowest(lambda: manager.restore(model, opt)))
-        assert manager.last_restore.source == "local" and manager.last_restore.step == step
+        assert manager.last_restore.source == "local" and manager.last_restore.step == saved
         record("restore: bytes fetched from the peer (MiB, rank 0)", manager.last_restore.fetched_bytes / 2**20)
         shutil.rmtree(local, ignore_errors=True)
         dist.barrier()
         record("restore: S3", slowest(lambda: manager.restore(model, opt)))
-        assert manager.last_restore.source == "persistent" and manager.last_restore.step == step
+        assert manager.last_restore.source == "persistent" and manager.last_restore.step == saved
+        step = saved  # the restored state: train on from there
     sizes = sum(p.numel() * p.element_size() for p in model.parameters())
-    files = ddcp.inspect(f"{args.persistent}/step-{step}", storage_options=options)["files"]
+    files = ddcp.inspect(f"{args.persistent}/step-{saved}", storage_options=options)["files"]
     for m in (idle, quiet, manager):
         m.close()
     if rank == 0:
@@ -168,7 +191,7 @@ def main(argv=None) -> None:
           f"median of {args.repeats}")
     print(f"{'':56s} {'median':>9s} {'min':>9s} {'max':>9s}")
     for name, values in result["samples"].items():
-        unit = "" if "MiB" in name else " s"
+        unit = "" if "MiB" in name or "(ms)" in name else " s"
         print(f"{name:56s} {statistics.median(values):9.3f} {min(values):9.3f} {max(values):9.3f}{unit}")
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), **result}, indent=1))

@@ -10,7 +10,8 @@
    ranges its ranks will read (found by planning the load, :func:`planned_reads`), fetched
    from the nearest node that holds them, over the control group. Then it loads like any
    checkpoint (``api.load``): every byte read is checked against the manifest's checksums,
-   and a range that was never fetched can only fail that check, never load.
+   and a range that was never fetched can only fail that check, never load. Each rank reads its
+   own plan there (not cooperatively: the bytes are on its node's disk already).
 3. A candidate whose bytes are at fault (incomplete, corrupt, unreachable) is skipped for the
    next one, on every rank; an unsafe checkpoint or a wrong model is raised at once.
 """
@@ -240,7 +241,10 @@ def _restore_local(ctx: TierContext, candidate: Candidate, held: Holdings, model
                 report.fetched_bytes += inc.bytes_received
                 problem = problem or inc.error
         _symmetric(groups, problem, f"step {step}: fetching from other nodes failed", CheckpointIncompleteError)
-        return api.load(model, optimizer, view)
+        # each rank reads its own plan from its node's view: a cooperative load would have one
+        # rank read a region for others on other nodes, sending over the network bytes that
+        # are already on their own disks (it pays off against object storage, not here)
+        return api.load(model, optimizer, view, cooperative=False)
     finally:
         groups.barrier()
         if layout.is_leader:

@@ -127,7 +127,7 @@ class TieredCheckpointManager:
         self.last_preemption: PreemptionReport | None = None
         self.last_saved_step: int | None = None  # newest step in the local tier from this manager
         self.last_save_seconds: float | None = None  # blocking time of the last local save
-        self.background_seconds: dict[str, float] = {}  # last replication / promotion, in seconds
+        self.background_seconds: dict[str, float] = {}  # wall time of the last replication / promotion
 
     # -- the training loop ----------------------------------------------------------------------
     def step(self, step: int, model: nn.Module, optimizer: Muon | None, extra: dict | None = None) -> bool:
