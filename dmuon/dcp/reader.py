@@ -265,7 +265,8 @@ class _Delivery:
             return
         saved = None  # the whole item, read only when a request cannot be served directly
         if blocks is not None:  # (here, not for the whole batch first: streams read ahead in file order)
-            listing.verify_frame(index, stream, blocks)
+            listing.verify_frame(index, stream, blocks, tail=False)
+        loaded = []  # committed once the whole item is verified, its frame's tail included
         for req, (target, start, view) in zip(self.reqs, self.targets):
             if start is None or blocks is None:
                 if saved is None:
@@ -283,6 +284,10 @@ class _Delivery:
                 staging = torch.empty(tuple(req.lengths), dtype=self.dtype)
                 listing.read_data_into(index, stream, start, tensor_memory(staging), blocks)
                 target.copy_(staging)
+            loaded.append((req, target))
+        if blocks is not None:  # after the data: the file is read front to back, never jumping ahead
+            listing.verify_frame(index, stream, blocks, head=False)
+        for req, target in loaded:
             planner.commit_tensor(req, target)
 
 

@@ -80,16 +80,19 @@ class VerifiedReads:
         item = self.manifest.files[info.relative_path].items.get(info.offset)
         return item if item is not None and item.block > 0 else None
 
-    def verify_frame(self, index: MetadataIndex, stream: BinaryIO, item: ItemChecksums) -> None:
+    def verify_frame(
+        self, index: MetadataIndex, stream: BinaryIO, item: ItemChecksums, *, head: bool = True, tail: bool = True
+    ) -> None:
         """Read and verify a tensor item's bytes around its data (the zip headers before it,
         the central directory after it): a flipped byte anywhere in an item a load touches
         is reported, even where the load itself would not use it. A few hundred bytes.
-        ``item``: the item's block layout (:meth:`data_blocks`)."""
+        ``item``: the item's block layout (:meth:`data_blocks`). ``head``/``tail``: which of
+        the two (a load checks the tail after the data, so that it reads the file in order)."""
         info = self.metadata.storage_data[index]
         assert self.manifest is not None
         fd = _local_file_descriptor(stream)
-        parts = [(0, item.head, item.checksums[0])] if item.head else []
-        if item.tail:
+        parts = [(0, item.head, item.checksums[0])] if item.head and head else []
+        if item.tail and tail:
             parts.append((item.length - item.tail, item.tail, item.checksums[-1]))
         for start, length, expected in parts:
             buffer = bytearray(length)

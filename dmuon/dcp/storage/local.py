@@ -168,18 +168,33 @@ class LocalStore:
 
 
 class LocalReadFile(io.BufferedReader):
-    """A file opened for reading that can be told what will be read next
-    (:class:`~.base.ReadAheadStream`): the kernel's read-ahead only follows one sequential
-    stream a few MiB deep, while a load knows every range it will read, in order."""
+    """A file opened for reading that takes the reader's hints (:class:`~.base.ReadAheadStream`)
+    for the first :data:`KICKSTART_BYTES` it is told of, and leaves the rest to the kernel.
+
+    Measured on this project's VM (2 and 4 ranks loading 512 MiB with dropped pages): without
+    hints, the first load of a process -- the restart, where it matters -- took 0.63-0.73 s,
+    the kernel's read-ahead ramping up late; hinting every item 64 MiB ahead brought that to
+    0.38-0.45 s but slowed later loads of the same process from 0.29 to 0.37-0.45 s
+    (``posix_fadvise`` allocates the pages in the reader's own time, where the kernel's
+    read-ahead, once it follows a sequential stream, does better); hinting only the first
+    16 MiB gave 0.30-0.37 s for both. Hints outside the window are dropped, not queued.
+    """
 
     def __init__(self, path: str) -> None:
         super().__init__(io.FileIO(path, "rb"))
+        self._window: tuple[int, int] | None = None  # the byte range hints are passed on for
 
     def will_need(self, offset: int, length: int) -> None:
-        if _FADVISE_WILLNEED is not None and length > 0:
-            os.posix_fadvise(self.fileno(), offset, length, _FADVISE_WILLNEED)
+        if _FADVISE_WILLNEED is None or length <= 0:
+            return
+        if self._window is None:
+            self._window = (offset, offset + KICKSTART_BYTES)
+        start, end = max(offset, self._window[0]), min(offset + length, self._window[1])
+        if start < end:
+            os.posix_fadvise(self.fileno(), start, end - start, _FADVISE_WILLNEED)
 
 
+KICKSTART_BYTES = 16 << 20
 _FADVISE_WILLNEED = getattr(os, "POSIX_FADV_WILLNEED", None)  # None: not a POSIX system
 
 

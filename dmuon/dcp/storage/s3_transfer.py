@@ -250,9 +250,9 @@ class S3ParallelReader:
         return None
 
     def _schedule(self) -> None:
-        """Drop what lies well behind the reader (the range just behind is kept: an item's
-        frame is checked after a look at its end, then its data is read from an earlier
-        offset) and keep ``concurrency`` ranges at or after it requested."""
+        """Drop what lies well behind the reader (the range just behind is kept: a reader
+        may step back a little, as a partial read of a row range does) and keep
+        ``concurrency`` ranges at or after it requested."""
         current = self._covering(self._position)
         keep_from = self._position - self.block_bytes
         for start in [s for s, (end, _) in self._ranges.items() if end <= keep_from and s != current]:
