@@ -153,6 +153,19 @@ def test_storage_knows_nothing_of_the_format():
         assert not any(t.startswith("dmuon.dcp.format") for t in reaches(name)), name
 
 
+def test_only_the_tiers_package_imports_its_modules():
+    """The tiers are one feature on top of the backend: ``dmuon.dcp`` takes its public names
+    from the package, nothing else reaches into it; inside, only the manager ties the parts
+    together, so each part reads without it."""
+    outside = [n for n in MODULES if not n.startswith("dmuon.dcp.tiers") and n != "dmuon.dcp"]
+    assert {n: sorted(t for t in GRAPH[n] if t.startswith("dmuon.dcp.tiers")) for n in outside} == {
+        n: [] for n in outside
+    }
+    assert not any(t.startswith("dmuon.dcp.tiers.") for t in GRAPH["dmuon.dcp"]), sorted(GRAPH["dmuon.dcp"])
+    parts = [n for n in MODULES if n.startswith("dmuon.dcp.tiers.") and n != "dmuon.dcp.tiers.manager"]
+    assert [n for n in parts if "dmuon.dcp.tiers.manager" in GRAPH[n]] == []
+
+
 URL_MODULES = ("dmuon.dcp.storage.registry", "dmuon.dcp.storage.local", "dmuon.dcp.storage.fsspec_store")
 
 

@@ -25,8 +25,7 @@ from .reader import DMuonStorageReader
 from .save_planner import DMuonSavePlanner
 from .storage import RetryPolicy, Store
 from .storage.registry import open_store, register_store, unregister_store
-from .tier_restore import RestoreReport
-from .tiers import PreemptionReport, TieredCheckpointManager
+from .tiers import PreemptionReport, RestoreReport, TieredCheckpointManager
 from .writer import DMuonStorageWriter
 
 __all__ = [

@@ -1,4 +1,5 @@
-"""A training job on two "nodes" with a TieredCheckpointManager, run by tests/dcp/test_tiers.py.
+"""A training job on two "nodes" with a TieredCheckpointManager, run by
+tests/dcp/tiers/test_manager.py.
 
 Started by ``tests.helpers.nodes.launch_nodes`` (torchrun agents with c10d rendezvous); each
 node's local tier is ``--local-root`` with ``{node}`` replaced by torchrun's node rank.

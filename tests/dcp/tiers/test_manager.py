@@ -109,8 +109,8 @@ def test_b_both_nodes_lost_restores_from_s3(trained, tmp_path):
 
 def committed_across_nodes(local: Path, step: int) -> bool:
     """Is step ``step`` committed, with every data file of its manifest whole on some node?"""
-    from dmuon.dcp.local_tier import LocalTier
-    from dmuon.dcp.tier_restore import choose_candidates
+    from dmuon.dcp.tiers.local import LocalTier
+    from dmuon.dcp.tiers.restore import choose_candidates
 
     holdings = [LocalTier(local / f"node{n}").holdings(n) for n in (0, 1)]
     return any(c.step == step for c in choose_candidates(holdings, []))
@@ -186,7 +186,7 @@ def test_the_example_in_docs_tiers_md_runs_as_written(tmp_path, s3_server):
     from tests.core.test_docs_examples import examples
 
     script = tmp_path / "train.py"
-    script.write_text(examples(Path(__file__).resolve().parents[2] / "docs" / "tiers.md")["tiers-train"])
+    script.write_text(examples(Path(__file__).resolve().parents[3] / "docs" / "tiers.md")["tiers-train"])
     persistent = s3_server.url("docs-example")
     machines = [tmp_path / "machine-a", tmp_path / "machine-b"]  # one disk per agent, whatever its node rank
 

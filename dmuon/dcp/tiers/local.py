@@ -1,6 +1,6 @@
 """A node-local checkpoint tier: one node's directory, what it holds, and its upkeep.
 
-Layout (names in ``format.py``)::
+Layout (names in ``dcp/format/layout.py``)::
 
     <root>/step-<N>/             this node's part of step N: its ranks' data files, and the
                                  step's manifest and .metadata (on the node of rank 0, the
@@ -26,9 +26,9 @@ import shutil
 import uuid
 from dataclasses import dataclass, field
 
-from .checkpoint import read_commit
-from .errors import CheckpointCorruptError
-from .format.layout import (
+from ..checkpoint import read_commit
+from ..errors import CheckpointCorruptError
+from ..format.layout import (
     METADATA,
     RESTORE_VIEW_DIR,
     is_dmuon_file,
@@ -38,10 +38,10 @@ from .format.layout import (
     step_dir_name,
     step_of_dir,
 )
-from .format.manifest import Manifest, decode_manifest
-from .storage.base import temp_name
-from .storage.local import LocalStore
-from .storage.registry import is_remote
+from ..format.manifest import Manifest, decode_manifest
+from ..storage.base import temp_name
+from ..storage.local import LocalStore
+from ..storage.registry import is_remote
 
 __all__ = ["CommitCopy", "Holdings", "LocalTier", "StepCommit"]
 

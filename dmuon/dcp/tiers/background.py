@@ -14,7 +14,7 @@ import concurrent.futures
 import time
 from collections.abc import Callable
 
-from .. import exit_guard
+from ... import exit_guard
 
 __all__ = ["BackgroundWork"]
 

@@ -28,10 +28,10 @@ from dataclasses import dataclass, field
 from torch import nn
 from torch.distributed.checkpoint.metadata import Metadata
 
-from ..optim.muon import Muon
-from . import api
-from .app_state import AppState
-from .errors import (
+from ...optim.muon import Muon
+from .. import api
+from ..app_state import AppState
+from ..errors import (
     CheckpointCorruptError,
     CheckpointError,
     CheckpointIncompleteError,
@@ -39,13 +39,13 @@ from .errors import (
     NoLoadableCheckpointError,
     UnsafeCheckpointError,
 )
-from .format.layout import EXTRA_SECTION, METADATA
-from .format.safe_metadata import load_metadata_bytes
-from .load_planner import DMuonLoadPlanner
-from .local_tier import CommitCopy, Holdings, LocalTier
-from .manager import CheckpointManager
+from ..format.layout import EXTRA_SECTION, METADATA
+from ..format.safe_metadata import load_metadata_bytes
+from ..load_planner import DMuonLoadPlanner
+from ..manager import CheckpointManager
+from ..storage.local import LocalStore
+from .local import CommitCopy, Holdings, LocalTier
 from .nodes import NodeLayout, TierGroups
-from .storage.local import LocalStore
 from .transfer import DEFAULT_CHUNK_BYTES, Incoming, Outgoing, exchange, merge_ranges
 
 __all__ = ["LOCAL", "PERSISTENT", "Candidate", "RestoreReport", "choose_candidates", "planned_reads", "restore"]

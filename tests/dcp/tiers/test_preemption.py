@@ -7,7 +7,7 @@ import os
 import signal
 
 import dmuon.dcp as ddcp
-from dmuon.dcp.preemption import PreemptionWatcher
+from dmuon.dcp.tiers.preemption import PreemptionWatcher
 from tests.helpers import faults
 from tests.helpers.launch import run_ranks
 from tests.helpers.training import build, train

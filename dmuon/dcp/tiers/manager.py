@@ -10,10 +10,9 @@ committed local files (no second serialisation; the local save's checksums). A r
 the newest step complete anywhere. A preemption notice (SIGTERM) becomes a synchronous local
 save at the next step boundary.
 
-Module map: ``nodes.py`` (which rank is on which node, the gloo groups), ``local_tier.py``
-(a node's directory and what it holds), ``transfer.py`` (bytes between ranks),
-``replication.py``, ``promotion.py``, ``tier_restore.py``, ``preemption.py``,
-``background.py`` (the thread).
+Here: when each tier is due, the local save, and the step boundary's agreement on a notice.
+The rest is handed to the other modules of the package (its docstring maps them), none of
+which imports this one: each can be read on its own.
 """
 
 from __future__ import annotations
@@ -29,18 +28,18 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from ..optim.muon import Muon
-from . import api
+from ...optim.muon import Muon
+from .. import api
+from ..errors import CheckpointError, StorageError
+from ..manager import CheckpointManager
+from ..plan_cache import SavePlanCache
 from .background import BackgroundWork
-from .errors import CheckpointError, StorageError
-from .local_tier import CommitCopy, LocalTier
-from .manager import CheckpointManager
+from .local import CommitCopy, LocalTier
 from .nodes import NodeLayout, TierGroups, discover_nodes
-from .plan_cache import SavePlanCache
 from .preemption import PreemptionWatcher
 from .promotion import promote_step
 from .replication import replicate_step
-from .tier_restore import LOCAL, RestoreReport, TierContext, restore
+from .restore import LOCAL, RestoreReport, TierContext, restore
 from .transfer import DEFAULT_CHUNK_BYTES
 
 __all__ = ["PreemptionReport", "TieredCheckpointManager"]

@@ -1,7 +1,7 @@
 """Restoring from the tiers: which step is picked, and what happens when it cannot load.
 
 Two forked ranks stand for two nodes (``node_rank=rank``, a local directory each); the
-torchrun scenarios are in test_tiers.py.
+torchrun scenarios are in test_manager.py.
 """
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import pytest
 
 import dmuon
 import dmuon.dcp as ddcp
-from dmuon.dcp.local_tier import Holdings, StepCommit
-from dmuon.dcp.tier_restore import LOCAL, PERSISTENT, choose_candidates
+from dmuon.dcp.tiers.local import Holdings, StepCommit
+from dmuon.dcp.tiers.restore import LOCAL, PERSISTENT, choose_candidates
 from tests.helpers.launch import run_ranks
 from tests.helpers.setup import max_abs_diff
 from tests.helpers.training import build, train

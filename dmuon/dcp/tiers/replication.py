@@ -15,10 +15,10 @@ from __future__ import annotations
 import contextlib
 import os
 
-from .errors import StorageError
-from .format.layout import data_file_name
-from .format.verified_read import verify_stream
-from .local_tier import CommitCopy, LocalTier
+from ..errors import StorageError
+from ..format.layout import data_file_name
+from ..format.verified_read import verify_stream
+from .local import CommitCopy, LocalTier
 from .nodes import NodeLayout, TierGroups
 from .transfer import DEFAULT_CHUNK_BYTES, Incoming, Outgoing, exchange
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from .format.tensor_bytes import tensor_memory
+from ..format.tensor_bytes import tensor_memory
 
 __all__ = ["DEFAULT_CHUNK_BYTES", "Incoming", "Outgoing", "exchange", "merge_ranges"]
 

@@ -3,7 +3,7 @@
 Every rank uploads its own data file from its node's local tier, checking each byte against
 the checksums the local save computed as it streams it (a file that rotted on the local disk
 is not copied); when every rank is done, rank 0 commits: the same manifest, then the same
-``.metadata``, as an exclusive create (``commit.py``). So the persistent copy carries the
+``.metadata``, as an exclusive create (``dcp/commit.py``). So the persistent copy carries the
 local save's checksums, and until its ``.metadata`` exists it is an incomplete directory
 that nothing loads: a kill at any point of a promotion leaves the previous persistent
 checkpoint the newest one there.
@@ -14,17 +14,17 @@ from __future__ import annotations
 import os
 from typing import BinaryIO
 
-from .commit import commit
-from .errors import CheckpointCorruptError, CheckpointExistsError, StorageError
-from .format.layout import METADATA, data_file_name
-from .format.manifest import FileStats
-from .format.verified_read import verify_stream
-from .local_tier import CommitCopy, LocalTier
-from .manager import CheckpointManager
+from ..commit import commit
+from ..errors import CheckpointCorruptError, CheckpointExistsError, StorageError
+from ..format.layout import METADATA, data_file_name
+from ..format.manifest import FileStats
+from ..format.verified_read import verify_stream
+from ..manager import CheckpointManager
+from ..storage.base import Store
+from ..storage.registry import open_store
+from ..storage.retry import retrying
+from .local import CommitCopy, LocalTier
 from .nodes import NodeLayout, TierGroups
-from .storage.base import Store
-from .storage.registry import open_store
-from .storage.retry import retrying
 
 __all__ = ["promote_step"]
 
