@@ -26,6 +26,7 @@ Times are the slowest rank's, barrier to barrier; medians over the repeats.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
@@ -105,9 +106,9 @@ def worker(args) -> None:
                slowest(lambda: steps(args.steps, quiet)) / args.steps)
         for promote, label in ((False, "replication"), (True, "replication + copy to S3")):
             step += 1
-            saved = step
+            # partial, not a lambda: the step and the tier are bound now, not looked up at the call
             record(f"save: local, blocking ({label} after)",
-                   slowest(lambda: manager.save(saved, model, opt, persistent=promote)))
+                   slowest(functools.partial(manager.save, step, model, opt, persistent=promote)))
             during = slowest(lambda: steps(args.steps, quiet))
             busy = manager.background.busy()
             record(f"train: {args.steps} steps with {label} in flight, extra s", during - base)
@@ -123,8 +124,8 @@ def worker(args) -> None:
             record(f"save: {label}, CPU s of the process, alone", largest(time.process_time() - cpu))
         saved = step
         record("step boundary: the preemption all-reduce alone (ms)", agreement(idle) * 1000)
-        record("save: plain ddcp.save to S3 (blocking)", slowest(lambda: ddcp.save(
-            model, opt, f"{args.persistent}-direct/{repeat}", storage_options=options)))
+        record("save: plain ddcp.save to S3 (blocking)", slowest(functools.partial(
+            ddcp.save, model, opt, f"{args.persistent}-direct/{repeat}", storage_options=options)))
         record("restore: local tier", slowest(lambda: manager.restore(model, opt)))
         assert manager.last_restore.source == "local" and manager.last_restore.step == saved
         if node == 0:  # one worker per node here
