@@ -36,26 +36,6 @@ import torch
 METHODS = ("dmuon", "apart", "torch")
 
 
-def build(n_matrices: int, replicate: int, dedicated: bool):
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    import dmuon
-
-    world = dist.get_world_size()
-    mesh = init_device_mesh("cpu", (replicate, world // replicate), mesh_dim_names=("replicate", "shard"))
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Linear(save_load.DIM, save_load.DIM, bias=False)
-                                  for _ in range(n_matrices)])
-    predicate = (lambda n, p: int(n.split(".")[0]) % 2 == 0) if dedicated else (lambda n, p: False)
-    dmuon.dedicate_params(model, mesh, predicate)
-    for layer in model:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model
-
-
 def bytes_read_by_calls() -> int:
     with open("/proc/self/io") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("rchar:"))
@@ -70,8 +50,8 @@ def worker(rank, world, n_matrices, replicate, root, options, repeats, warmup):
     from dmuon.dcp.storage.registry import open_store
 
     local = options is None
-    model = build(n_matrices, replicate, dedicated=True)
-    plain = build(n_matrices, replicate, dedicated=False)
+    model = save_load.build(n_matrices, dedicated=True, replicate=replicate)
+    plain = save_load.build(n_matrices, dedicated=False, replicate=replicate)
     paths = {"dmuon": f"{root}/dmuon", "torch": f"{root}/torch"}
     ddcp.save(model, None, paths["dmuon"], storage_options=options)
     if local:

@@ -88,14 +88,19 @@ TARGETS = (
 # ---------------------------------------------------------------------------------------------
 # inside each rank
 # ---------------------------------------------------------------------------------------------
-def build(n_matrices: int, dedicated: bool):
+def build(n_matrices: int, dedicated: bool, replicate: int = 1):
+    """The model on every rank: 1-D FSDP2, or HSDP ``replicate`` x the rest."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     import dmuon
 
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    world = dist.get_world_size()
+    if replicate == 1:
+        mesh = init_device_mesh("cpu", (world,))
+    else:
+        mesh = init_device_mesh("cpu", (replicate, world // replicate), mesh_dim_names=("replicate", "shard"))
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(DIM, DIM, bias=False) for _ in range(n_matrices)])
     predicate = (lambda n, p: int(n.split(".")[0]) % 2 == 0) if dedicated else (lambda n, p: False)
