@@ -8,13 +8,23 @@
 #     Python 3.11 (the only Python its wheel is on this machine for), installed by setup.sh
 #     through DMUON_TORCH: every test module that touches torch internals (TORCH_TESTS).
 # A Python that is not on the machine is reported and skipped; DMUON_REQUIRE_ALL_PYTHONS=1 makes
-# that an error. Usage: scripts/ci-pythons.sh [leg ...]
-# (legs: system, 3.10, 3.13, torch-2.14.1; default all)
+# that an error.
+# Usage: scripts/ci-pythons.sh [prepare|run] [leg ...]
+#   prepare  clone HEAD and install each leg's venv (downloads and unpacking: mostly waiting on
+#            the network and the disk, so .ci/run does it while the main suite runs)
+#   run      run each leg's tests in its prepared clone (preparing it first if it is not), then
+#            remove the clone
+#   (neither: run, which prepares as it goes)
+# (legs: system, 3.10, 3.13, torch-2.14.1; default all). Prepared clones live under
+# DMUON_LEGS_DIR (default /tmp/dmuon-ci-legs).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 repo=$PWD
+mode=run
+case "${1:-}" in prepare|run) mode=$1; shift ;; esac
 legs=("$@")
 [ ${#legs[@]} -gt 0 ] || legs=(system 3.10 3.13 torch-2.14.1)
+legs_dir=${DMUON_LEGS_DIR:-/tmp/dmuon-ci-legs}
 
 # What a Python's checkpoints touch: the runtime, every save and load entry point, resume,
 # the manager, the end of a job with a save in flight, the metadata allow-list and the
@@ -36,8 +46,8 @@ TORCH_TESTS=(
     tests/dcp/test_plan_cache.py tests/integrations
 )
 USER_NAME=dmuon-ci
-clone=""  # the leg's clone, removed when the leg ends, also when it fails
-trap '[ -z "$clone" ] || rm -rf "$clone"' EXIT
+clone=""  # the leg being run: its clone is removed when the leg ends, also when it fails
+[ "$mode" = prepare ] || trap '[ -z "$clone" ] || rm -rf "$clone"' EXIT
 
 find_python() {  # $1: "system", a version such as 3.10, or torch-X; prints nothing if none runs
     if [ "${1#torch-}" != "$1" ]; then
@@ -68,6 +78,35 @@ as_user() {  # run a command as the non-root user when we are root, else as ours
     fi
 }
 
+leg_env() {  # $1: leg name; the environment its set-up and tests run with
+    case "$1" in
+        system) echo "env -u DMUON_REQUIRE_ALL_STORES DMUON_SKIP_LINT=1 DMUON_PYTHON=$2" ;;
+        torch-*) echo "env DMUON_TORCH=torch==${1#torch-} DMUON_PYTHON=$2" ;;
+        *) echo "env DMUON_SKIP_LINT=1 DMUON_PYTHON=$2" ;;
+    esac
+}
+
+prepare_leg() {  # $1: leg name; $2: its Python. Clone and install, once.
+    local dir="$legs_dir/$1"
+    [ -f "$dir/.prepared" ] && return 0
+    rm -rf "$dir"
+    mkdir -p "$dir"
+    git clone -q "$repo" "$dir/dmuon"
+    if [ "$1" = system ] && [ "$(id -u)" = 0 ]; then
+        id "$USER_NAME" >/dev/null 2>&1 || useradd --create-home --shell /bin/bash "$USER_NAME"
+        chmod 755 "$legs_dir"
+        chown -R "$USER_NAME:$USER_NAME" "$dir"
+    fi
+    # shellcheck disable=SC2046
+    if [ "$1" = system ]; then
+        as_user $(leg_env "$1" "$2") bash "$dir/dmuon/scripts/setup.sh" test
+        as_user $(leg_env "$1" "$2") bash "$dir/dmuon/scripts/setup.sh"
+    else
+        $(leg_env "$1" "$2") bash "$dir/dmuon/scripts/setup.sh" test
+    fi
+    touch "$dir/.prepared"
+}
+
 run_leg() {  # $1: leg name
     local python
     python=$(find_python "$1")
@@ -76,25 +115,29 @@ run_leg() {  # $1: leg name
         [ "${DMUON_REQUIRE_ALL_PYTHONS:-0}" = 1 ] && return 1
         return 0
     fi
+    if [ "$mode" = prepare ]; then
+        echo "== preparing leg $1: $("$python" --version 2>&1) ($python)"
+        prepare_leg "$1" "$python"
+        return 0
+    fi
     echo "== leg $1: $("$python" --version 2>&1) ($python)"
-    clone=$(mktemp -d "/tmp/dmuon-leg-$1-XXXXXX")
-    git clone -q "$repo" "$clone/dmuon"
+    clone="$legs_dir/$1"
+    prepare_leg "$1" "$python"
+    local src="$clone/dmuon"
+    # shellcheck disable=SC2046
     if [ "$1" = system ]; then
-        if [ "$(id -u)" = 0 ]; then
-            id "$USER_NAME" >/dev/null 2>&1 || useradd --create-home --shell /bin/bash "$USER_NAME"
-            chown -R "$USER_NAME:$USER_NAME" "$clone"
-        fi
         # DMUON_REQUIRE_ALL_STORES is left out: Ceph's packages need root, which this leg is not.
-        as_user env -u DMUON_REQUIRE_ALL_STORES DMUON_PYTHON="$python" bash "$clone/dmuon/scripts/demo.sh" --steps 20 --save-every 5 --crash-at 12
-        as_user env -u DMUON_REQUIRE_ALL_STORES DMUON_SKIP_LINT=1 DMUON_PYTHON="$python" bash "$clone/dmuon/scripts/test.sh" -p no:cacheprovider "${TESTS[@]}"
+        as_user $(leg_env "$1" "$python") bash "$src/scripts/demo.sh" --steps 20 --save-every 5 --crash-at 12
+        as_user $(leg_env "$1" "$python") bash "$src/scripts/test.sh" -p no:cacheprovider "${TESTS[@]}"
     elif [ "${1#torch-}" != "$1" ]; then
-        DMUON_TORCH="torch==${1#torch-}" DMUON_PYTHON="$python" bash "$clone/dmuon/scripts/test.sh" -p no:cacheprovider "${TORCH_TESTS[@]}"
-        "$clone/dmuon/.venv/bin/python" -c "import sys, torch; sys.exit(torch.__version__.split('+')[0] != '${1#torch-}')" \
+        $(leg_env "$1" "$python") bash "$src/scripts/test.sh" -p no:cacheprovider "${TORCH_TESTS[@]}"
+        "$src/.venv/bin/python" -c "import sys, torch; sys.exit(torch.__version__.split('+')[0] != '${1#torch-}')" \
             || { echo "ci-pythons: leg $1 did not run on torch ${1#torch-}" >&2; return 1; }
     else
-        DMUON_SKIP_LINT=1 DMUON_PYTHON="$python" bash "$clone/dmuon/scripts/test.sh" -p no:cacheprovider "${TESTS[@]}"
+        $(leg_env "$1" "$python") bash "$src/scripts/test.sh" -p no:cacheprovider "${TESTS[@]}"
     fi
     rm -rf "$clone"
+    clone=""
 }
 
 for leg in "${legs[@]}"; do
