@@ -18,7 +18,7 @@ import os
 import socket
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -84,8 +84,14 @@ class TierGroups:
         kwargs: dict[str, Any] = {"backend": "gloo"}
         if timeout is not None:
             kwargs["timeout"] = timeout
-        self.control = dist.new_group(**kwargs) if self.distributed else None
-        self.background = dist.new_group(**kwargs) if self.distributed else None
+        # every rank is a member of both groups (torch 2.14 types new_group's result as
+        # ProcessGroup | NON_GROUP_MEMBER, which only a non-member gets)
+        self.control: dist.ProcessGroup | None = (
+            cast(dist.ProcessGroup, dist.new_group(**kwargs)) if self.distributed else None
+        )
+        self.background: dist.ProcessGroup | None = (
+            cast(dist.ProcessGroup, dist.new_group(**kwargs)) if self.distributed else None
+        )
 
     def all_gather(self, obj: Any, *, background: bool = False) -> list[Any]:
         if not self.distributed:
