@@ -8,7 +8,9 @@ The model is ``save_load.py``'s (square fp32 matrices, every other one dedicated
 HSDP replicate x shard; torch's DCP saves and loads the same model built all-FSDP2 on the same
 mesh. Each mesh and store: one save per method, then loads interleaved, order rotated:
 
-  dmuon   dmuon.dcp.load, cooperative (the default): each region read once per job
+  dmuon   dmuon.dcp.load(cooperative=True): each region read once per job, exchanged between
+          every pair of ranks (the default does so on object storage; on a local path only
+          between machines)
   apart   dmuon.dcp.load(cooperative=False): every rank reads what it holds
   torch   dcp.load with FileSystemReader / FsspecReader
 

@@ -109,8 +109,10 @@ def load(
     one error lists every problem; ``allow_partial_load=True`` skips mismatched keys instead.
     A HuggingFace safetensors file or directory loads the model part (``optimizer=None``).
     A region several ranks hold identical copies of (HSDP replicas, a dedicated weight's shard
-    column) is read from storage by one of them and sent to the others (``cooperative.py``);
-    ``cooperative=False`` (or ``DMUON_COOPERATIVE_LOAD=0``) has every rank read for itself.
+    column) is read from storage by one of them and sent to the others (``cooperative.py``;
+    from a local path only to ranks of other machines: one machine's page cache serves its
+    ranks); ``cooperative=False`` (or ``DMUON_COOPERATIVE_LOAD=0``) has every rank read for
+    itself, ``True`` exchanges between ranks of one machine too.
     Python's garbage collector is paused for the call.
     """
     if is_safetensors_checkpoint(checkpoint_id, storage_options):

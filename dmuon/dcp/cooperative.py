@@ -16,15 +16,26 @@ small all-gather of their errors), so a corrupt or missing file on the reading r
 rank, instead of leaving the others waiting for bytes that will never come.
 
 Objects (non-tensor items: step counters, hyper-parameters) are small and read by every rank
-that needs them. ``DMUON_COOPERATIVE_LOAD=0`` in the environment, or ``cooperative=False`` on
-the reader, turns the whole thing off (every rank reads for itself, as torch's readers do).
+that needs them.
+
+Ranks of one machine loading from a local path (a local disk, or a network filesystem mounted
+there) do not exchange by default: the machine's page cache already serves a region to its
+second reader, and sending it over the process group instead made a 2x2 HSDP load of one
+machine 1.3x slower (benchmarks/cooperative_restore.py). Only ranks on other machines receive
+it from the rank that read it. From object storage every rank's read is a request of its own,
+so there all ranks that want a region share one read.
+
+The setting (:func:`cooperative_setting`): ``cooperative=False`` on the reader, or
+``DMUON_COOPERATIVE_LOAD=0``, turns the whole thing off (every rank reads for itself, as torch's
+readers do); ``True`` (or ``DMUON_COOPERATIVE_LOAD=1``) shares between every pair of ranks,
+machines notwithstanding; unset is the behaviour above.
 """
 
 from __future__ import annotations
 
 import os
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,7 +50,7 @@ __all__ = [
     "RankShare",
     "Transfer",
     "assign_readers",
-    "cooperative_enabled",
+    "cooperative_setting",
     "read_shared",
     "share_of",
 ]
@@ -51,11 +62,18 @@ _PLAN_KEY = "dmuon_cooperative"  # where a rank's part of the assignment travels
 STICKY_BYTES = 8 << 20
 
 
-def cooperative_enabled(requested: bool | None) -> bool:
-    """The reader's setting, else the environment (on unless ``DMUON_COOPERATIVE_LOAD=0``)."""
+def cooperative_setting(requested: bool | None) -> bool | None:
+    """The reader's setting, else the environment's: False (off), True (between every pair of
+    ranks) or None (the default: between ranks of different machines on a local path, between
+    all ranks on object storage)."""
     if requested is not None:
         return requested
-    return os.environ.get(COOPERATIVE_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+    value = os.environ.get(COOPERATIVE_ENV, "").strip().lower()
+    if value in ("0", "false", "no", "off"):
+        return False
+    if value in ("1", "true", "yes", "on"):
+        return True
+    return None
 
 
 @dataclass(frozen=True)
@@ -89,10 +107,18 @@ def _nbytes(item: ReadItem, dtypes: dict[str, torch.dtype]) -> int:
     return size * (dtype.itemsize if dtype is not None else 1)
 
 
-def assign_readers(plans: list[LoadPlan], dtypes: dict[str, torch.dtype], locations: dict[Any, Any]) -> list[LoadPlan]:
+def assign_readers(
+    plans: list[LoadPlan],
+    dtypes: dict[str, torch.dtype],
+    locations: dict[Any, Any],
+    nodes: Sequence[Hashable] | None = None,
+) -> list[LoadPlan]:
     """The coordinator's step: one reader per region several ranks request; the plans back
     with each rank's share in ``storage_data``. ``dtypes``: stored dtype per key (for sizes);
-    ``locations``: the metadata's storage data (file and offset of each stored item).
+    ``locations``: the metadata's storage data (file and offset of each stored item);
+    ``nodes``: each rank's machine, where ranks of one machine should each read a region
+    themselves (a local path: its page cache serves the second reader) and only ranks of
+    other machines receive it; None: every rank that wants a region receives it.
 
     Balancing is greedy by bytes: regions only one rank needs count for that rank first. Then
     shared regions, in file order, go to whichever of their ranks has read the least so far --
@@ -111,8 +137,9 @@ def assign_readers(plans: list[LoadPlan], dtypes: dict[str, torch.dtype], locati
     for region, askers in wanted.items():
         item = plans[askers[0][0]].items[askers[0][1]]
         nbytes = _nbytes(item, dtypes)
-        if len({rank for rank, _ in askers}) == 1:
-            load[askers[0][0]] += nbytes * len(askers)
+        if len({rank for rank, _ in askers}) == 1 or (nodes is not None and len({nodes[r] for r, _ in askers}) == 1):
+            for rank, _ in askers:
+                load[rank] += nbytes
         else:
             where = locations[item.storage_index]
             shared.append(((where.relative_path, where.offset, region), nbytes, askers))
@@ -129,14 +156,17 @@ def assign_readers(plans: list[LoadPlan], dtypes: dict[str, torch.dtype], locati
             if load[previous[1]] <= load[least] + STICKY_BYTES:
                 source = previous[1]
         previous = (file, source)
-        load[source] += nbytes
-        transfer = Transfer(tag, source, tuple(rank for rank in ranks if rank != source))
+        # the reader's machine mates read it themselves, from their page cache (``nodes``)
+        mates = {rank for rank in ranks if rank != source and nodes is not None and nodes[rank] == nodes[source]}
+        for rank in (source, *mates):
+            load[rank] += nbytes
+        transfer = Transfer(tag, source, tuple(rank for rank in ranks if rank != source and rank not in mates))
         read_by_source = False
         for rank, position in askers:
             if rank == source and not read_by_source:
                 shares[rank].sends[position] = transfer
                 read_by_source = True
-            elif rank != source:  # (the same region twice on the reader: read twice, locally)
+            elif rank != source and rank not in mates:  # (the same region twice on one rank: read twice)
                 shares[rank].receives[position] = transfer
     out = []
     for plan, share in zip(plans, shares):

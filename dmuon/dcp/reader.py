@@ -8,6 +8,7 @@ Knows nothing of models.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import io
 import math
@@ -24,15 +25,19 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from .checkpoint import CheckpointListing, open_checkpoint
-from .cooperative import assign_readers, cooperative_enabled, read_shared, share_of
+from .cooperative import assign_readers, cooperative_setting, read_shared, share_of
 from .errors import CheckpointCorruptError
 from .format.manifest import ItemChecksums
 from .format.tensor_bytes import tensor_memory
 from .host_staging import DeviceUploads
+from .node_identity import this_node
 from .storage.base import ReadAheadStream, checked_name
+from .storage.registry import is_remote
 from .storage.retry import retrying
 
 __all__ = ["DMuonStorageReader", "narrow_to"]
+
+_NODE_KEY = "dmuon_node"  # where a local plan tells the coordinator its rank's machine
 
 
 def narrow_to(tensor: torch.Tensor, offsets, lengths) -> torch.Tensor:
@@ -67,7 +72,9 @@ class DMuonStorageReader(StorageReader):
     ) -> None:
         """``listing``: an already opened and verified checkpoint, to skip reading it again.
         ``cooperative``: a region several ranks need is read by one and sent to the others
-        (``cooperative.py``); None (the default) means on unless ``DMUON_COOPERATIVE_LOAD=0``.
+        (``cooperative.py``): True between every pair of ranks, False never, None (the
+        default) as ``DMUON_COOPERATIVE_LOAD`` says, and where it says nothing, between all
+        ranks on object storage and only between machines on a local path.
         ``process_group``: the group the load runs on (what ``dcp.load`` is given; default:
         the default group), over which shared regions are exchanged."""
         super().__init__()
@@ -97,12 +104,26 @@ class DMuonStorageReader(StorageReader):
         self.storage_data = metadata.storage_data
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        if self._exchange_across_nodes_only():  # the coordinator learns every rank's machine
+            data = dict(plan.storage_data) if isinstance(plan.storage_data, dict) else {}
+            data[_NODE_KEY] = this_node()
+            plan = dataclasses.replace(plan, storage_data=data)
         return plan
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        if len(plans) < 2 or not cooperative_enabled(self.cooperative) or not dist.is_initialized():
+        if len(plans) < 2 or cooperative_setting(self.cooperative) is False or not dist.is_initialized():
             return plans
-        return assign_readers(plans, self._stored_dtypes(), self._listing().metadata.storage_data)
+        nodes = None
+        if self._exchange_across_nodes_only():
+            nodes = [
+                plan.storage_data.get(_NODE_KEY) if isinstance(plan.storage_data, dict) else None for plan in plans
+            ]
+        return assign_readers(plans, self._stored_dtypes(), self._listing().metadata.storage_data, nodes)
+
+    def _exchange_across_nodes_only(self) -> bool:
+        """The default on a local path: ranks of one machine each read a shared region (the
+        page cache serves all but the first), only other machines' ranks receive it."""
+        return cooperative_setting(self.cooperative) is None and not is_remote(self._listing().store.url)
 
     def _stored_dtypes(self) -> dict[str, torch.dtype]:
         metadata = self._listing().metadata.state_dict_metadata

@@ -11,6 +11,7 @@ import dmuon
 import dmuon.dcp as ddcp
 from dmuon.dcp.cooperative import COOPERATIVE_ENV
 from dmuon.dcp.format import rank_of_data_file
+from dmuon.dcp.node_identity import NODE_RANK_ENV
 from dmuon.dcp.storage.registry import open_store
 from tests.helpers.launch import run_ranks
 from tests.helpers.setup import max_abs_diff
@@ -28,7 +29,10 @@ def save_worker(rank, world, replicate, url, options):
     return {"model": dmuon.get_model_state_dict(model), "optim": dmuon.get_optimizer_state_dict(model, opt)}
 
 
-def load_worker(rank, world, replicate, url, options, cooperative):
+def load_worker(rank, world, replicate, url, options, cooperative, machines=None):
+    """``machines``: each rank's machine, as torchrun would say it (``GROUP_RANK``)."""
+    if machines is not None:
+        os.environ[NODE_RANK_ENV] = str(machines[rank])
     model, opt = build(replicate, **MODEL)
     reader = ddcp.DMuonStorageReader(url, storage_options=options, cooperative=cooperative)
     app = ddcp.AppState(model, opt)
@@ -70,15 +74,40 @@ def test_hsdp_restore_fetches_each_byte_once(checkpoint_location, backend):
 
 
 def test_from_1d_to_hsdp_and_the_environment_switch(tmp_path):
+    """The default on a local path: the replicas (ranks 0, 2 and 1, 3 of the 2x2 mesh) on two
+    machines share their reads; ``DMUON_COOPERATIVE_LOAD=0`` turns that off."""
     url = str(tmp_path / "ckpt")
     saved = run_ranks(save_worker, 2, 1, url, None)[0]
     total = data_bytes(url, None)
-    together = run_ranks(load_worker, 4, 2, url, None, None)
+    two_machines = (0, 0, 1, 1)
+    together = run_ranks(load_worker, 4, 2, url, None, None, two_machines)
     assert_same(together[0], saved)
     assert sum(r["fetched"] for r in together) <= 1.1 * total
-    apart = run_ranks(load_worker, 4, 2, url, None, None, env={COOPERATIVE_ENV: "0"})
+    apart = run_ranks(load_worker, 4, 2, url, None, None, two_machines, env={COOPERATIVE_ENV: "0"})
     assert_same(apart[0], saved)
     assert sum(r["fetched"] for r in apart) >= 1.5 * total
+
+
+@pytest.mark.parametrize("backend", ["local", "s3"])
+def test_the_default_on_one_machine_shares_only_object_storage_reads(checkpoint_location, backend):
+    """Ranks of one machine reading a local path each read for themselves (the page cache
+    serves the replica's read; an exchange over the process group measured slower); from S3
+    every rank's read is a request, so they share. ``DMUON_COOPERATIVE_LOAD=1`` shares local
+    reads too."""
+    root, options = checkpoint_location(backend)
+    url = f"{root}/hsdp"
+    saved = run_ranks(save_worker, 4, 2, url, options)[0]
+    total = data_bytes(url, options)
+    default = run_ranks(load_worker, 4, 2, url, options, None)
+    assert_same(default[0], saved)
+    fetched = sum(r["fetched"] for r in default)
+    if backend == "local":
+        assert fetched >= 1.5 * total, (fetched, total)
+        forced = run_ranks(load_worker, 4, 2, url, options, None, env={COOPERATIVE_ENV: "1"})
+        assert_same(forced[0], saved)
+        assert sum(r["fetched"] for r in forced) <= 1.1 * total
+    else:
+        assert fetched <= 1.1 * total, (fetched, total)
 
 
 def corrupt_load_worker(rank, world, url):
@@ -113,9 +142,8 @@ def test_cooperation_needs_a_shared_region(tmp_path):
     from torch.distributed.checkpoint.metadata import MetadataIndex
     from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
 
-    from dmuon.dcp.cooperative import assign_readers, share_of
-
     from dmuon import compat
+    from dmuon.dcp.cooperative import assign_readers, share_of
 
     def item(fqn, offset):
         return ReadItem(LoadItemType.TENSOR, MetadataIndex(fqn, (offset,)), torch.Size([offset]),
@@ -133,3 +161,11 @@ def test_cooperation_needs_a_shared_region(tmp_path):
     assert not shares[0].sends and list(shares[0].receives) == [0]
     assert list(shares[1].sends) == [0] and shares[1].sends[0].targets == (0, 2)
     assert list(shares[2].receives) == [0] and shares[2].receives[0].source == 1
+
+    # ranks 0 and 1 on one machine, rank 2 on another: rank 1 reads "a" itself, rank 2 receives it
+    shares = [share_of(plan) for plan in assign_readers(together, dtypes, where, ["m0", "m0", "m1"])]
+    assert not shares[0].sends and not shares[0].receives
+    assert list(shares[1].sends) == [0] and shares[1].sends[0].targets == (2,)
+    assert list(shares[2].receives) == [0] and shares[2].receives[0].source == 1
+    # all three on one machine: nothing is exchanged, and no collective is added
+    assert all(share_of(plan) is None for plan in assign_readers(together, dtypes, where, ["m0"] * 3))

@@ -14,8 +14,6 @@ group (which may be NCCL: the tiers move CPU bytes).
 
 from __future__ import annotations
 
-import os
-import socket
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, cast
@@ -23,10 +21,9 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 
-__all__ = ["NodeLayout", "TierGroups", "discover_nodes"]
+from ..node_identity import this_node
 
-#: torchrun's name for the node's rank in the job.
-NODE_RANK_ENV = "GROUP_RANK"
+__all__ = ["NodeLayout", "TierGroups", "discover_nodes"]
 
 
 @dataclass(frozen=True)
@@ -127,9 +124,7 @@ def discover_nodes(groups: TierGroups, node_rank: int | None = None) -> NodeLayo
     """Collective: every rank's node. ``node_rank``: this rank's node, else torchrun's
     ``GROUP_RANK``, else its host (ranks on one host are one node). Nodes with unequal rank
     counts are refused when replicating needs a partner for every rank."""
-    if node_rank is None and os.environ.get(NODE_RANK_ENV, "").isdigit():
-        node_rank = int(os.environ[NODE_RANK_ENV])
-    mine: Any = node_rank if node_rank is not None else socket.gethostname()
+    mine: Any = node_rank if node_rank is not None else this_node()
     gathered = groups.all_gather(mine)
     if all(isinstance(n, int) for n in gathered):
         node_of_rank = tuple(int(n) for n in gathered)
