@@ -171,7 +171,6 @@ for (module, name) in hidden:
     delattr(module, name)
 import dmuon, dmuon.dcp  # no ImportError
 from dmuon import compat
-from dmuon.dcp.format.safe_metadata import load_metadata_bytes
 for (module, name), value in hidden.items():
     setattr(module, name, value)
 
