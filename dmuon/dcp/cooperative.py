@@ -127,6 +127,8 @@ def assign_readers(
     come in one request, not many small ones from several ranks. Deterministic (ties go to the
     lowest rank), so it is the same whoever runs it.
     """
+    # a rank's machine; without ``nodes`` every rank is a machine of its own
+    machine: Sequence[Hashable] = nodes if nodes is not None else range(len(plans))
     wanted: dict[tuple, list[tuple[int, int]]] = defaultdict(list)  # region -> [(rank, index in plan)]
     for rank, plan in enumerate(plans):
         for position, item in enumerate(plan.items):
@@ -137,7 +139,7 @@ def assign_readers(
     for region, askers in wanted.items():
         item = plans[askers[0][0]].items[askers[0][1]]
         nbytes = _nbytes(item, dtypes)
-        if len({rank for rank, _ in askers}) == 1 or (nodes is not None and len({nodes[r] for r, _ in askers}) == 1):
+        if len({machine[rank] for rank, _ in askers}) == 1:
             for rank, _ in askers:
                 load[rank] += nbytes
         else:
@@ -157,7 +159,7 @@ def assign_readers(
                 source = previous[1]
         previous = (file, source)
         # the reader's machine mates read it themselves, from their page cache (``nodes``)
-        mates = {rank for rank in ranks if rank != source and nodes is not None and nodes[rank] == nodes[source]}
+        mates = {rank for rank in ranks if rank != source and machine[rank] == machine[source]}
         for rank in (source, *mates):
             load[rank] += nbytes
         transfer = Transfer(tag, source, tuple(rank for rank in ranks if rank != source and rank not in mates))
