@@ -33,6 +33,7 @@ __all__ = [
     "restore_hyperparameters",
     "set_model_state_dict",
     "set_optimizer_state_dict",
+    "tied_sources",
     "write_full_state",
 ]
 
@@ -141,10 +142,52 @@ class StateDictError(RuntimeError):
     """Raised before anything is written when a state dict does not fit the model."""
 
 
+def _tied_groups(model: nn.Module) -> list[list[str]]:
+    """The state-dict keys of each tensor that has more than one name (tied weights).
+
+    A dedicated parameter's names are the aliases dmuon's registry recorded for it; any other
+    keys are tied when the model holds one object under them (FSDP2 keeps a shared parameter
+    shared). Placeholders are left out of the identity test: what a 0-element tensor is shared
+    with says nothing about the weights.
+    """
+    registry = get_registry(model)
+    dedicated = registry.by_alias() if registry is not None else {}
+    by_object: dict[int, list[str]] = {}
+    for key, value in raw_state_dict(model).items():
+        if key not in dedicated:
+            by_object.setdefault(id(value), []).append(key)
+    groups = [list(rec.aliases) for rec in registry or () if len(rec.aliases) > 1]
+    return groups + [keys for keys in by_object.values() if len(keys) > 1]
+
+
+def tied_sources(model: nn.Module, present: Iterable[str]) -> dict[str, str]:
+    """``{absent key: present key}`` for each key of a tied tensor that ``present`` lacks while
+    it holds another name of the same tensor.
+
+    HuggingFace's ``save_pretrained`` writes a tied weight once (``lm_head.weight`` is left out
+    when ``tie_word_embeddings`` is set), and dmuon saves a tied dedicated weight once, under
+    its first name: loading the present name fills the tensor every name shares, so the absent
+    one is not missing. The present key is the first of the group the source holds, whichever
+    it is (a file may hold the alias and not the first name).
+    """
+    have = set(present)
+    sources: dict[str, str] = {}
+    for keys in _tied_groups(model):
+        found = next((key for key in keys if key in have), None)
+        if found is not None:
+            sources.update({key: found for key in keys if key not in have})
+    return sources
+
+
 def check_fits(model: nn.Module, shapes: Mapping[str, tuple[int, ...]], *, strict: bool, what: str) -> None:
-    """Raise one :class:`StateDictError` listing every missing, unexpected or misshapen key."""
+    """Raise one :class:`StateDictError` listing every missing, unexpected or misshapen key.
+
+    A key of a tied tensor is not missing when another of its names is there
+    (:func:`tied_sources`); one whose tensor no present key names is.
+    """
     expected = expected_shapes(model)
-    missing = [k for k in expected if k not in shapes] if strict else []
+    tied = tied_sources(model, shapes) if strict else {}
+    missing = [k for k in expected if k not in shapes and k not in tied] if strict else []
     unexpected = [k for k in shapes if k not in expected] if strict else []
     wrong = {k: (tuple(shapes[k]), v) for k, v in expected.items() if k in shapes and tuple(shapes[k]) != v}
     if not (missing or unexpected or wrong):
@@ -186,7 +229,8 @@ def write_full_state(model: nn.Module, keys: Iterable[str], fetch: Fetch) -> Non
 
     ``fetch(key, rows)`` returns rows ``[start, stop)`` of the full tensor, or all of it when
     ``rows`` is None; it is only called for what this rank holds, so a reader behind it can
-    read just those bytes.
+    read just those bytes. A tied tensor is written through whichever of its names ``keys``
+    holds (all its names share it).
     """
     registry = _registry(model)
     dedicated = registry.by_alias() if registry is not None else {}
