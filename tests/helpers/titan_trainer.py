@@ -1,0 +1,191 @@
+"""torchtitan 0.3.0's own ``Trainer`` with a tiny Llama 3, synthetic tokens and no tokenizer.
+
+What the tests need beside dmuon's integration: nothing can be downloaded here (no dataset, no
+tokenizer files), so the Trainer gets a dataloader that draws deterministic random tokens per
+(data-parallel rank, batch index) and a tokenizer that is never asked anything. Attention is
+torch's SDPA (``is_causal``): torchtitan's language-model default, FlexAttention, is compiled
+with inductor even when ``compile.enable`` is off, which costs minutes on two CPU cores.
+
+``run(config, stop_after=k)`` trains like ``torchtitan.train.main`` does and returns the loss of
+every step and the full weights at the end (gathered on every rank).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from tests.helpers import titan_cpu
+
+titan_cpu.prepare()  # before the first torchtitan import that reaches models.common
+
+import torch  # noqa: E402
+from torchtitan.components.checkpoint import CheckpointManager  # noqa: E402
+from torchtitan.components.dataloader import BaseDataLoader  # noqa: E402
+from torchtitan.components.loss import CrossEntropyLoss  # noqa: E402
+from torchtitan.components.metrics import MetricsProcessor  # noqa: E402
+from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw  # noqa: E402
+from torchtitan.components.tokenizer import BaseTokenizer  # noqa: E402
+from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig  # noqa: E402
+from torchtitan.config.configs import CommConfig, DebugConfig  # noqa: E402
+from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm  # noqa: E402
+from torchtitan.models.common.attention import ScaledDotProductAttention  # noqa: E402
+from torchtitan.models.common.config_utils import make_ffn_config, make_gqa_config  # noqa: E402
+from torchtitan.models.llama3 import Llama3Model, parallelize_llama  # noqa: E402
+from torchtitan.models.llama3.model import Llama3TransformerBlock  # noqa: E402
+from torchtitan.protocols.model_spec import ModelSpec  # noqa: E402
+from torchtitan.trainer import Trainer  # noqa: E402
+
+VOCAB = 128
+DIM = 64
+HEADS = 4
+LAYERS = 2
+SEQ = 32
+
+
+class SyntheticTokens(BaseDataLoader):
+    """Batch ``i`` of data-parallel rank ``r`` is ``randint`` from a generator seeded by (seed, r, i).
+
+    Its state is the number of batches served, under a key per rank (DCP keeps one copy of a
+    key that several ranks save), so a resumed run continues with the next batch.
+    """
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(BaseDataLoader.Config):
+        vocab_size: int = VOCAB
+        seed: int = 1234
+
+    def __init__(self, config: Config, *, dp_world_size: int, dp_rank: int, seq_len: int,
+                 local_batch_size: int, **unused: Any) -> None:
+        self.config = config
+        self.dp_rank = dp_rank
+        self.seq_len = seq_len
+        self.batch_size = local_batch_size
+        self.served = 0
+
+    def __iter__(self):
+        while True:
+            gen = torch.Generator().manual_seed(self.config.seed * 1_000_003 + self.dp_rank * 10_007 + self.served)
+            tokens = torch.randint(0, self.config.vocab_size, (self.batch_size, self.seq_len + 1), generator=gen)
+            self.served += 1
+            yield {"input": tokens[:, :-1]}, tokens[:, 1:]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {f"dp_rank_{self.dp_rank}": self.served}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.served = state_dict.get(f"dp_rank_{self.dp_rank}", 0)
+
+
+class NoTokenizer(BaseTokenizer):
+    """The Trainer builds a tokenizer for its dataloader and validator; ours need none."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(BaseTokenizer.Config):
+        pass
+
+    def __init__(self, config: Config | None = None, *, tokenizer_path: str | None = None) -> None:
+        super().__init__()
+
+    def encode(self, *args, **kwargs) -> list[int]:
+        raise NotImplementedError("synthetic data has no text")
+
+    def decode(self, *args, **kwargs) -> str:
+        raise NotImplementedError("synthetic data has no text")
+
+    def get_vocab_size(self) -> int:
+        return VOCAB
+
+
+def _normal(std: float):
+    def init(tensor: torch.Tensor) -> torch.Tensor:
+        return torch.nn.init.trunc_normal_(tensor, std=std)
+    return init
+
+
+def tiny_llama3() -> Llama3Model.Config:
+    """Llama 3 with dim 64, 2 layers, 4 heads, vocabulary 128; torchtitan's own blocks."""
+    linear = {"weight": _normal(0.02), "bias": torch.nn.init.zeros_}
+    norm = {"weight": torch.nn.init.ones_}
+    rope = ComplexRoPE.Config(dim=DIM // HEADS, max_seq_len=SEQ, theta=10000.0)
+    layers = [
+        Llama3TransformerBlock.Config(
+            attention_norm=RMSNorm.Config(normalized_shape=DIM, param_init=norm),
+            ffn_norm=RMSNorm.Config(normalized_shape=DIM, param_init=norm),
+            attention=make_gqa_config(dim=DIM, n_heads=HEADS, wqkv_param_init=linear, wo_param_init=linear,
+                                      inner_attention=ScaledDotProductAttention.Config(), rope=rope),
+            feed_forward=make_ffn_config(dim=DIM, hidden_dim=4 * DIM, w1_param_init=linear,
+                                         w2w3_param_init=linear),
+        )
+        for _ in range(LAYERS)
+    ]
+    return Llama3Model.Config(
+        dim=DIM, vocab_size=VOCAB,
+        tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=DIM,
+                                        param_init={"weight": torch.nn.init.normal_}),
+        norm=RMSNorm.Config(normalized_shape=DIM, param_init=norm),
+        lm_head=Linear.Config(in_features=DIM, out_features=VOCAB, param_init=linear),
+        layers=layers,
+    )
+
+
+def tiny_model_spec() -> ModelSpec:
+    return ModelSpec(name="llama3", flavor="tiny", model=tiny_llama3(), parallelize_fn=titan_cpu.gloo_parallelize(parallelize_llama),
+                     pipelining_fn=None, post_optimizer_build_fn=None, state_dict_adapter=None)
+
+
+def tiny_config(folder: str, *, steps: int = 6, interval: int = 3, async_mode: str = "disabled",
+                compile: bool = False, backend: str = "aot_eager") -> Trainer.Config:
+    """A full Trainer.Config: FSDP over all ranks, fp32, checkpoints every ``interval`` steps."""
+    return Trainer.Config(
+        model_spec=tiny_model_spec(),
+        hf_assets_path="",
+        dump_folder=folder,
+        tokenizer=NoTokenizer.Config(),
+        dataloader=SyntheticTokens.Config(),
+        loss=CrossEntropyLoss.Config(global_vocab_size=VOCAB),
+        optimizer=default_adamw(lr=1e-3),
+        lr_scheduler=LRSchedulersContainer.Config(warmup_steps=2, decay_ratio=0.5, min_lr_factor=0.1),
+        training=TrainingConfig(local_batch_size=2, seq_len=SEQ, steps=steps, mixed_precision_param="float32",
+                                disable_cuda_graphs=True),
+        parallelism=ParallelismConfig(spmd_backend="partial_dtensor"),
+        checkpoint=CheckpointManager.Config(enable=True, folder="checkpoint", interval=interval,
+                                            async_mode=async_mode, last_save_model_only=False),
+        activation_checkpoint=None,  # type: ignore[arg-type]
+        compile=CompileConfig(enable=compile, components=["model"], backend=backend),
+        metrics=MetricsProcessor.Config(log_freq=1),
+        comm=CommConfig(trace_buf_size=0),
+        debug=DebugConfig(seed=0, enable_structured_logging=False),
+    )
+
+
+def run(config: Trainer.Config, *, stop_after: int | None = None) -> dict[str, Any]:
+    """Build the Trainer from ``config``, train (until step ``stop_after``), close it.
+
+    ``stop_after`` ends the loop early as a preempted job would, with the schedule of the full
+    run. Returns ``{"losses": {step: loss}, "weights": {fqn: full fp32 tensor}}``.
+    """
+    trainer = config.build()
+    losses: dict[int, float] = {}
+    log = trainer.metrics_processor.log
+
+    def record(step, global_avg_loss, *args, **kwargs):
+        losses[step] = global_avg_loss
+        return log(step, global_avg_loss, *args, **kwargs)
+
+    trainer.metrics_processor.log = record
+    if stop_after is not None:
+        trainer.should_continue_training = lambda: trainer.step < stop_after
+    try:
+        trainer.train()
+        weights = full_weights(trainer.model_parts[0])
+    finally:
+        trainer.close()
+    return {"losses": losses, "weights": weights, "step": trainer.step}
+
+
+def full_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every weight whole on every rank, through torch's full state dict (dmuon-aware)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=False))
+    return {k: v.detach().clone() for k, v in state.items()}
