@@ -14,29 +14,55 @@ works through torch's entry points:
   ``dmuon.Muon``: momentum buffers are written by their owners, Adam moments as DTensor
   shards, and loading works on another topology.
 
-Call ``dmuon.dedicate_params`` in your parallelize function before torchtitan's
-``fully_shard`` calls, then build the optimizers with :func:`build_muon_optimizers`.
+Two ways in:
+
+* your own loop: call ``dmuon.dedicate_params`` before torchtitan's ``fully_shard`` calls, then
+  build the optimizers with :func:`build_muon_optimizers`;
+* torchtitan's own ``Trainer`` (its config-registry path, ``--module/--config``):
+  :func:`with_dmuon` turns any ``Trainer.Config`` into one that trains with ``dmuon.Muon``.
+  It wraps the model spec's ``parallelize_fn`` (:func:`dedicated_parallelize`: dedicate the
+  selected weights of the meta-device model, then torchtitan's own parallelisms) and sets
+  the optimizer to :class:`MuonOptimizersContainer.Config`. The Trainer's order (build on
+  meta, parallelize, ``to_empty``, ``init_weights``, build optimizers, load a checkpoint)
+  is kept: the owners adopt what ``init_weights`` wrote when ``dmuon.Muon`` is built.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import dataclasses
+import functools
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
+import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_optimizer_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.tensor import DTensor
 from torchtitan.components.optimizer import OptimizersContainer
 
+from ..dedicate import dedicate_params
+from ..dedicated import get_registry
 from ..optim.muon import Muon
 
-__all__ = ["MuonOptimizersContainer", "build_muon_optimizers"]
+__all__ = [
+    "MuonOptimizersContainer",
+    "build_muon_optimizers",
+    "dedicated_parallelize",
+    "default_predicate",
+    "with_dmuon",
+]
 
 #: torchtitan's own optimizer checkpoints are flat (``state.<fqn>.<name>``).
 _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+#: where :func:`dedicated_parallelize` leaves the clipping threshold the Trainer was given
+_MAX_NORM_ATTR = "_dmuon_max_norm"
 
 
 class MuonOptimizersContainer(OptimizersContainer):
@@ -45,18 +71,72 @@ class MuonOptimizersContainer(OptimizersContainer):
     ``step``, ``zero_grad``, hooks and the LR-scheduler builders behave as for torchtitan's own
     optimizers. Checkpoints hold, per model part, what torch's ``get_optimizer_state_dict``
     returns for it.
+
+    Two things torchtitan's Trainer does around ``step`` do not see dedicated gradients, which
+    live on their owners' masters, not in ``model.parameters()``; ``step`` does them itself:
+
+    * ``sum_gradients``: torchtitan divides the loss by the global token count and has FSDP
+      sum gradients over the data-parallel ranks; dmuon averages a dedicated gradient. True
+      multiplies dedicated gradients by the data-parallel size so that both agree.
+    * ``max_norm``: clip every gradient, sharded and dedicated, by their joint norm (kept in
+      ``grad_norm``). :func:`dedicated_parallelize` moves the Trainer's
+      ``training.max_norm`` here, where torchtitan's own clipping would leave dedicated
+      gradients out of the norm and unclipped.
     """
 
-    def __init__(self, model_parts: Iterable[nn.Module], optimizers: Iterable[Muon]) -> None:
+    @dataclass(kw_only=True, slots=True)
+    class Config(OptimizersContainer.Config):
+        """``Trainer.Config.optimizer`` for ``dmuon.Muon``: its arguments, with its defaults.
+
+        Which weights Muon updates is decided by ``dedicate_params`` (dedicated matrices),
+        not by regexes: the inherited ``param_groups`` and ``implementation`` are not used.
+        """
+
+        lr: float = 0.02
+        momentum: float = 0.95
+        nesterov: bool = True
+        ns_steps: int = 5
+        weight_decay: float = 0.0
+        adamw_lr: float = 1e-3
+        adamw_betas: tuple[float, float] = (0.9, 0.999)
+        adamw_eps: float = 1e-8
+        adamw_weight_decay: float = 0.01
+        replicate_async: bool = True
+
+        def build(self, *, model_parts: list[nn.Module], **unused: Any) -> MuonOptimizersContainer:
+            inherited = {f.name for f in dataclasses.fields(OptimizersContainer.Config)}
+            muon_kwargs = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in inherited}
+            norms = {getattr(part, _MAX_NORM_ATTR, None) for part in model_parts}
+            if len(norms) != 1:
+                raise ValueError(f"model parts disagree on the clipping threshold: {sorted(map(str, norms))}")
+            return build_muon_optimizers(model_parts, max_norm=norms.pop(), sum_gradients=True, **muon_kwargs)
+
+    def __init__(self, model_parts: Iterable[nn.Module], optimizers: Iterable[Muon], *,
+                 max_norm: float | None = None, sum_gradients: bool = False) -> None:
         # OptimizersContainer.__init__ builds optimizers from regex configs: not wanted here.
         self.model_parts = list(model_parts)
         self.optimizers = list(optimizers)
+        self.max_norm = max_norm
+        self.sum_gradients = sum_gradients
+        self.grad_norm: torch.Tensor | None = None
         if len(self.model_parts) != len(self.optimizers):
             raise ValueError(f"{len(self.model_parts)} model parts but {len(self.optimizers)} optimizers")
         for model, optimizer in zip(self.model_parts, self.optimizers):
             if not isinstance(optimizer, Muon) or optimizer.model is not model:
                 raise ValueError("each optimizer must be a dmuon.Muon built for the model part at its position")
         self._post_init([p for model in self.model_parts for p in model.parameters() if p.requires_grad])
+
+    def step(self, closure: Callable[[], float] | None = None) -> None:
+        if closure is not None:
+            raise ValueError("MuonOptimizersContainer does not support closures")
+        dedicated = _dedicated_grads(self.model_parts)
+        if self.sum_gradients:
+            for grad, world_size in dedicated:
+                grad.mul_(world_size)
+        if self.max_norm is not None and math.isfinite(self.max_norm):
+            self.grad_norm = _clip_jointly_(self.model_parts, [g for g, _ in dedicated], self.max_norm)
+        for optimizer in self.optimizers:
+            optimizer.step()
 
     def state_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -69,11 +149,113 @@ class MuonOptimizersContainer(OptimizersContainer):
             set_optimizer_state_dict(model, optimizer, state_dict, options=_FLAT)
 
 
-def build_muon_optimizers(model_parts: Iterable[nn.Module], **muon_kwargs: Any) -> MuonOptimizersContainer:
+def _dedicated_grads(model_parts: list[nn.Module]) -> list[tuple[torch.Tensor, int]]:
+    """Each dedicated gradient this rank holds as global owner, with its data-parallel size."""
+    out = []
+    for part in model_parts:
+        for rec in get_registry(part) or ():
+            master = rec.master if rec.is_global_owner else None
+            if master is not None and master.grad is not None:
+                out.append((master.grad, rec.topo.world_size))
+    return out
+
+
+def _clip_jointly_(model_parts: list[nn.Module], dedicated: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """Clip sharded and dedicated gradients by their joint 2-norm; return that norm.
+
+    A sharded gradient's norm is a DTensor reduction over its mesh; each dedicated gradient is
+    held by one global owner, so the squares of those are summed over the world (dedicated
+    parameters need a mesh without TP or PP, which :func:`dedicated_parallelize` checks).
+    """
+    sharded = [p.grad for part in model_parts for p in part.parameters() if p.grad is not None]
+    device = next((g.device for g in dedicated), None) or next(iter(model_parts[0].parameters())).device
+    squares = torch.zeros((), dtype=torch.float32, device=device)
+    if sharded:
+        norm = torch.nn.utils.get_total_norm(sharded, 2.0)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        squares = squares + norm.to(device=device, dtype=torch.float32) ** 2
+    mine = torch.zeros((), dtype=torch.float32, device=device)
+    for grad in dedicated:
+        mine = mine + grad.detach().float().pow(2).sum()
+    dist.all_reduce(mine)
+    total = (squares + mine).sqrt()
+    for group in (sharded, dedicated):
+        if group:
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
+    return total
+
+
+def build_muon_optimizers(model_parts: Iterable[nn.Module], *, max_norm: float | None = None,
+                          sum_gradients: bool = False, **muon_kwargs: Any) -> MuonOptimizersContainer:
     """One ``dmuon.Muon(part, **muon_kwargs)`` per model part, in a torchtitan container.
 
     Each part must already have its dedicated parameters (``dmuon.dedicate_params``) and be
-    wrapped with ``fully_shard``.
+    wrapped with ``fully_shard``. ``max_norm`` and ``sum_gradients``: see
+    :class:`MuonOptimizersContainer` (both off for a hand-written loop that averages).
     """
     parts = list(model_parts)
-    return MuonOptimizersContainer(parts, [Muon(part, **muon_kwargs) for part in parts])
+    return MuonOptimizersContainer(parts, [Muon(part, **muon_kwargs) for part in parts],
+                                   max_norm=max_norm, sum_gradients=sum_gradients)
+
+
+def default_predicate(fqn: str, param: nn.Parameter) -> bool:
+    """The matrices of the transformer blocks (``layers.*``): Muon's usual choice.
+
+    Embeddings and the output head stay FSDP shards updated with AdamW.
+    """
+    return param.ndim == 2 and fqn.startswith("layers.")
+
+
+def dedicated_parallelize(parallelize_fn: Callable[..., nn.Module],
+                          predicate: Callable[[str, nn.Parameter], bool] = default_predicate,
+                          **dedicate_kwargs: Any) -> Callable[..., nn.Module]:
+    """A torchtitan ``parallelize_fn`` that dedicates the selected weights, then runs ``parallelize_fn``.
+
+    The Trainer calls it with the model still on the meta device; ``dedicate_params`` takes it
+    there, before the wrapped function applies activation checkpointing, ``torch.compile``
+    and ``fully_shard`` (FSDP2 leaves dedicated parameters alone). The mesh is the Trainer's
+    ``fsdp`` mesh (with ``dp_replicate``: HSDP); dedicated weights compute in
+    ``training.mixed_precision_param``, as FSDP's shards do (``dedicate_kwargs`` overrides).
+    Tensor, context, pipeline and expert parallelism are refused: a dedicated weight is whole.
+
+    It also takes gradient clipping over: ``training.max_norm`` is handed to
+    :class:`MuonOptimizersContainer` (through the model) and set to infinity for torchtitan's
+    own clipping, which does not see dedicated gradients.
+    """
+    from torchtitan.config import TORCH_DTYPE_MAP
+
+    @functools.wraps(parallelize_fn)
+    def parallelize(model: nn.Module, *, parallel_dims: Any, training: Any, **kwargs: Any) -> nn.Module:
+        refused = [name for name in ("tp", "cp", "pp", "ep") if getattr(parallel_dims, f"{name}_enabled")]
+        if refused:
+            raise NotImplementedError(f"dmuon's dedicated weights need pure data parallelism; enabled here: {refused}")
+        replicate = parallel_dims.get_mesh("dp_replicate") if parallel_dims.dp_replicate_enabled else None
+        options = {"param_dtype": TORCH_DTYPE_MAP[training.mixed_precision_param], **dedicate_kwargs}
+        dedicate_params(model, parallel_dims.get_mesh("fsdp"), predicate, replicate_mesh=replicate, **options)
+        model = parallelize_fn(model, parallel_dims=parallel_dims, training=training, **kwargs)
+        setattr(model, _MAX_NORM_ATTR, training.max_norm)
+        training.max_norm = math.inf
+        return model
+
+    return parallelize
+
+
+def with_dmuon(config: Any, *, predicate: Callable[[str, nn.Parameter], bool] = default_predicate,
+               dedicate_options: dict[str, Any] | None = None, **muon_kwargs: Any) -> Any:
+    """Make a torchtitan ``Trainer.Config`` train with ``dmuon.Muon``; return it.
+
+    Its model spec's ``parallelize_fn`` becomes :func:`dedicated_parallelize` of itself
+    (``predicate`` and ``dedicate_options`` go to ``dmuon.dedicate_params``), and its optimizer
+    :class:`MuonOptimizersContainer.Config` with ``muon_kwargs`` (``dmuon.Muon``'s arguments:
+    ``lr``, ``adamw_lr``, ...; each is also a ``--optimizer.<name>`` command-line option).
+    Everything else (checkpointing and its async modes, compile, the LR schedule) is the
+    config's own.
+    """
+    spec = config.model_spec
+    if spec is None:
+        raise ValueError("the Trainer.Config has no model_spec to run with dmuon")
+    parallelize = dedicated_parallelize(spec.parallelize_fn, predicate, **(dedicate_options or {}))
+    config.model_spec = dataclasses.replace(spec, parallelize_fn=parallelize)
+    config.optimizer = MuonOptimizersContainer.Config(**muon_kwargs)
+    return config

@@ -129,14 +129,19 @@ def tiny_llama3() -> Llama3Model.Config:
 
 
 def tiny_model_spec() -> ModelSpec:
-    return ModelSpec(name="llama3", flavor="tiny", model=tiny_llama3(), parallelize_fn=titan_cpu.gloo_parallelize(parallelize_llama),
+    return ModelSpec(name="llama3", flavor="tiny", model=tiny_llama3(),
+                     parallelize_fn=titan_cpu.gloo_parallelize(parallelize_llama),
                      pipelining_fn=None, post_optimizer_build_fn=None, state_dict_adapter=None)
 
 
 def tiny_config(folder: str, *, steps: int = 6, interval: int = 3, async_mode: str = "disabled",
-                compile: bool = False, backend: str = "aot_eager") -> Trainer.Config:
-    """A full Trainer.Config: FSDP over all ranks, fp32, checkpoints every ``interval`` steps."""
-    return Trainer.Config(
+                compile: bool = False, backend: str = "aot_eager", muon: bool = True) -> Trainer.Config:
+    """A full Trainer.Config: FSDP over all ranks, fp32, checkpoints every ``interval`` steps.
+
+    ``muon``: through ``dmuon.integrations.torchtitan.with_dmuon``, as a user's config does;
+    otherwise torchtitan's AdamW.
+    """
+    config = Trainer.Config(
         model_spec=tiny_model_spec(),
         hf_assets_path="",
         dump_folder=folder,
@@ -156,6 +161,11 @@ def tiny_config(folder: str, *, steps: int = 6, interval: int = 3, async_mode: s
         comm=CommConfig(trace_buf_size=0),
         debug=DebugConfig(seed=0, enable_structured_logging=False),
     )
+    if muon:
+        from dmuon.integrations.torchtitan import with_dmuon
+
+        config = with_dmuon(config, lr=0.02, adamw_lr=1e-3)
+    return config
 
 
 def run(config: Trainer.Config, *, stop_after: int | None = None) -> dict[str, Any]:
