@@ -20,6 +20,7 @@ import os
 import socket
 import sys
 import time
+import warnings
 from datetime import timedelta
 
 import torch
@@ -200,7 +201,7 @@ def _print_losses(rows, every: int = 5) -> None:
 def main(argv: list[str] | None = None) -> int:
     import tempfile
 
-    from .dcp import export, inspect
+    from .dcp import MissingConfigWarning, export, inspect
     from .dcp.cli import storage_options_from_pairs
 
     parser = argparse.ArgumentParser(prog="python -m dmuon.demo", description=__doc__.splitlines()[0])
@@ -252,7 +253,9 @@ def main(argv: list[str] | None = None) -> int:
     final = f"{args.run_dir}/step-{args.steps}"
     t0 = time.perf_counter()
     target = f"{args.run_dir}/export"
-    files = export(final, target, storage_options=args.storage_options)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", MissingConfigWarning)  # the demo's model is no HF model
+        files = export(final, target, storage_options=args.storage_options)
     export_secs = time.perf_counter() - t0
     doc = inspect(final, storage_options=args.storage_options)
     first, last = reference["rows"][0][1], reference["rows"][-1][1]

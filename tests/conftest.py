@@ -11,6 +11,12 @@ if str(ROOT) not in sys.path:
 import pytest  # noqa: E402
 
 
+def pytest_configure(config):
+    # Most tests export toy models, not HuggingFace ones: the note that from_pretrained needs a
+    # config.json is for users (tests/dcp/test_export_hf.py checks it with pytest.warns).
+    config.addinivalue_line("filterwarnings", "ignore::dmuon.dcp.MissingConfigWarning")
+
+
 @pytest.fixture(scope="session")
 def s3_server(tmp_path_factory):
     """A real S3 server (SeaweedFS) on 127.0.0.1, for the whole session."""

@@ -18,6 +18,7 @@ from .errors import (
     UnsafeCheckpointError,
 )
 from .export import export
+from .hf_config import MissingConfigWarning
 from .load_planner import DMuonLoadPlanner
 from .manager import CheckpointManager
 from .plan_cache import SavePlanCache
@@ -46,6 +47,7 @@ __all__ = [
     "DMuonStorageWriter",
     "DedicatedEntry",
     "DedicatedLayout",
+    "MissingConfigWarning",
     "NoLoadableCheckpointError",
     "PlanCacheError",
     "PreemptionReport",

@@ -5,10 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import warnings
 
 from .checkpoint import inspect, open_checkpoint
 from .errors import CheckpointError
 from .export import export, release_freed_memory_promptly
+from .format.layout import HF_CONFIG_FILE, HF_GENERATION_CONFIG_FILE
+from .hf_config import MissingConfigWarning, missing_config_note
 from .progress import byte_progress
 from .storage.retry import exception_chain
 
@@ -111,22 +114,34 @@ def main(argv: list[str] | None = None) -> int:
             cmd.add_argument("--format", choices=("safetensors", "torch"), default="safetensors")
             cmd.add_argument("--dtype", default=None, help="cast floating tensors, e.g. bfloat16")
             cmd.add_argument("--max-shard-size", default="5GB")
+            cmd.add_argument(
+                "--config",
+                default=None,
+                metavar="PATH",
+                help=f"the model's HuggingFace {HF_CONFIG_FILE}, or a folder holding one: copied into OUT "
+                f"(with {HF_GENERATION_CONFIG_FILE} if it is beside it), its dtype set to the exported "
+                "one, so that from_pretrained(OUT) needs nothing else",
+            )
     args = parser.parse_args(argv)
     options = storage_options_from_pairs(args.storage_option)
     try:
         if args.command == "export":
             release_freed_memory_promptly()  # process-wide: fine in the CLI's own process
-            files = export(
-                args.checkpoint,
-                args.output,
-                format=args.format,
-                dtype=args.dtype,
-                max_shard_size=args.max_shard_size,
-                storage_options=options,
-                output_storage_options=_output_options(args.output_storage_option),
-            )
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always", MissingConfigWarning)
+                files = export(
+                    args.checkpoint,
+                    args.output,
+                    format=args.format,
+                    dtype=args.dtype,
+                    max_shard_size=args.max_shard_size,
+                    storage_options=options,
+                    output_storage_options=_output_options(args.output_storage_option),
+                    config=args.config,
+                )
             for path in files:
                 print(path)
+            _report_warnings(caught, args.output)
             return 0
         listing = open_checkpoint(args.checkpoint, options)
         if args.command == "inspect":
@@ -154,6 +169,16 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"error: {type(exc).__name__}: {exc}. {_CREDENTIALS_HINT}", file=sys.stderr)
         return 1
+
+
+def _report_warnings(caught: list[warnings.WarningMessage], output: str) -> None:
+    """The export's warnings on stderr as plain notes (the missing config's in the CLI's own
+    words), after the list of files."""
+    for item in caught:
+        if issubclass(item.category, MissingConfigWarning):
+            print(f"note: {missing_config_note(output, option='--config ')}", file=sys.stderr)
+        else:
+            print(f"warning: {item.message}", file=sys.stderr)
 
 
 # botocore's and google-auth's "no usable credentials" errors, matched by class name so that

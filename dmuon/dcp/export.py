@@ -30,6 +30,7 @@ from .format.safetensors_file import write_safetensors
 from .format.tensor_bytes import tensor_memory
 from .format.torch_file import pickled_tensors, write_postamble, write_preamble
 from .format.torch_zip import TorchFileWriter
+from .hf_config import HFConfig, export_dtype, read_hf_config, warn_missing_config, write_hf_config
 from .progress import byte_progress
 from .reader import narrow_to
 from .storage.base import Store
@@ -250,8 +251,17 @@ def export(
     max_shard_size: int | str = "5GB",
     storage_options: dict | None = None,
     output_storage_options: dict | None = None,
+    config: str | os.PathLike | None = None,
 ) -> list[str]:
     """Turn a dmuon checkpoint into HuggingFace safetensors or one flat ``.pt``; returns the files.
+
+    ``config``: the model's HuggingFace ``config.json``, or a folder holding one (the
+    pretrained model's folder). It is copied beside the weights (with the
+    ``generation_config.json`` next to it, if any), its dtype field set to the exported
+    dtype, so that ``from_pretrained(output)`` needs no other argument; it is read and checked
+    before anything is written, opened with the checkpoint's ``storage_options`` when it is on
+    the same kind of store. A safetensors export without it warns
+    (:class:`dmuon.dcp.MissingConfigWarning`) that ``from_pretrained`` will need one.
 
     ``output`` is a directory for safetensors (``model.safetensors``, or shards plus
     ``model.safetensors.index.json`` beyond ``max_shard_size``) and a file path for
@@ -273,22 +283,42 @@ def export(
         if not isinstance(dtype, torch.dtype):
             raise ValueError(f"unknown dtype {dtype!r}")
     output = os.fspath(output)
+    if format not in ("safetensors", "torch"):
+        raise ValueError(f"format must be 'safetensors' or 'torch', got {format!r}")
     out_options = resolve_output_options(checkpoint_id, output, storage_options, output_storage_options)
+    hf_config = None
+    if config is not None:
+        hf_config = read_hf_config(config, resolve_output_options(checkpoint_id, config, storage_options, None))
     listing = open_checkpoint(checkpoint_id, storage_options)
     entries = model_entries(listing, dtype)
-    total = sum(e.nbytes for e in entries)
     if format == "torch":
         directory, name = split_location(output)
         store = open_store(directory, out_options)
         store.makedirs()
-        with byte_progress(total, "export .pt") as bar:
+        with byte_progress(sum(e.nbytes for e in entries), "export .pt") as bar:
             write_torch_file(store, name, entries, _stream(listing, entries, bar))
-        return [f"{store.url}/{name}"]
-    if format != "safetensors":
-        raise ValueError(f"format must be 'safetensors' or 'torch', got {format!r}")
+        return [f"{store.url}/{name}"] + _config_files(store, hf_config, entries)
     store = open_store(output, out_options)
+    files = _write_safetensors(store, listing, entries, parse_size(max_shard_size))
+    if hf_config is None:
+        warn_missing_config(store.url)
+    return files + _config_files(store, hf_config, entries)
+
+
+def _config_files(store: Store, hf_config: HFConfig | None, entries: list[ExportEntry]) -> list[str]:
+    """The config beside the weights (after them), its dtype the one most exported bytes have."""
+    if hf_config is None:
+        return []
+    return write_hf_config(store, hf_config, export_dtype((e.dtype, e.nbytes) for e in entries))
+
+
+def _write_safetensors(
+    store: Store, listing: CheckpointListing, entries: list[ExportEntry], max_bytes: int
+) -> list[str]:
+    """``model.safetensors``, or shards and their index beyond ``max_bytes``; the files' URLs."""
+    total = sum(e.nbytes for e in entries)
     store.makedirs()
-    shards = _shards(entries, parse_size(max_shard_size))
+    shards = _shards(entries, max_bytes)
     with byte_progress(total, "export safetensors") as bar:
         if len(shards) == 1:
             write_safetensors(store, HF_SINGLE_FILE, _layout(entries), _stream(listing, entries, bar))

@@ -43,7 +43,9 @@ peer. A node's own ``step-<N>`` holds the data files of its ranks, with the mani
 ``.metadata`` of the whole step (node 0's are the commit; the others are copies of them).
 
 A HuggingFace export is ``model.safetensors``, or ``model-0000i-of-0000N.safetensors`` plus
-``model.safetensors.index.json`` (``metadata.total_size``, ``weight_map``).
+``model.safetensors.index.json`` (``metadata.total_size``, ``weight_map``); given the model's
+config, also ``config.json`` (its dtype field set to the exported dtype) and
+``generation_config.json`` when the config came with one (``dcp/hf_config.py``).
 """
 
 from __future__ import annotations
@@ -55,6 +57,8 @@ from ..storage.base import temp_target
 __all__ = [
     "EXTRA_SECTION",
     "FORMAT_VERSION",
+    "HF_CONFIG_FILE",
+    "HF_GENERATION_CONFIG_FILE",
     "HF_INDEX_FILE",
     "HF_SINGLE_FILE",
     "METADATA",
@@ -99,6 +103,9 @@ RESTORE_VIEW_DIR = "restore-view"
 
 HF_SINGLE_FILE = "model.safetensors"
 HF_INDEX_FILE = "model.safetensors.index.json"
+#: The model's HuggingFace config, and its generation config, beside the weights of an export.
+HF_CONFIG_FILE = "config.json"
+HF_GENERATION_CONFIG_FILE = "generation_config.json"
 
 
 def data_file_name(rank: int, save_id: str) -> str:
