@@ -102,12 +102,22 @@ def dedicate_params(
             )
         selected.append((fqn, param))
     _check_same_everywhere(topo, [(fqn, tuple(p.shape)) for fqn, p in selected])
+    on_meta = _on_meta(selected)
     owners = assign_owners(
         [(fqn, p.numel() * p.element_size()) for fqn, p in selected],
         topo.replicate_size,
         topo.shard_size,
     )
     registry = DedicatedRegistry(topo=topo, reshard_after_forward=reshard_after_forward)
+    locations = _locations(model)
+
+    def bind(param: nn.Parameter, rec: DedicatedParam) -> None:
+        setattr(param, fsdp_patch.DEDICATED_ATTR, rec)
+        # DCP's checkpointable protocol: a plain planner handed this parameter itself (say,
+        # dict(model.named_parameters())) asks it for its write items; refuse before writing.
+        param.__create_write_items__ = refuse_placeholder_save  # type: ignore[attr-defined]
+        registry.handles.append(param.register_post_accumulate_grad_hook(rec.reduce_grad))
+
     for fqn, param in selected:
         rec = DedicatedParam(
             fqn,
@@ -116,15 +126,13 @@ def dedicate_params(
             owners[fqn],
             topo,
             param_dtype or param.dtype,
+            locations[id(param)],
+            bind,
         )
-        setattr(param, fsdp_patch.DEDICATED_ATTR, rec)
-        # DCP's checkpointable protocol: a plain planner handed this parameter itself (say,
-        # dict(model.named_parameters())) asks it for its write items; refuse before writing.
-        param.__create_write_items__ = refuse_placeholder_save  # type: ignore[attr-defined]
-        registry.handles.append(param.register_post_accumulate_grad_hook(rec.reduce_grad))
         registry.records[fqn] = rec
         rec.registry = registry
-    _sync_replicas_at_start(registry)
+    if not on_meta:
+        registry.materialize()  # every replica starts from the global owner's initial values
 
     by_module: dict[nn.Module, list[DedicatedParam]] = {}
     for module in model.modules():
@@ -139,7 +147,24 @@ def dedicate_params(
     return owners
 
 
-def _sync_replicas_at_start(registry: DedicatedRegistry) -> None:
-    """Every replica starts from the global owner's initial values, whatever each rank's seed."""
-    for rec in registry:
-        rec.publish_to_replicas(async_op=False)
+def _locations(model: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:
+    """id(parameter) -> every (module, name) that registers it, tied aliases included, in
+    ``named_parameters`` order (a meta-built parameter is found there again after to_empty)."""
+    found: dict[int, list[tuple[nn.Module, str]]] = {}
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is not None:
+                found.setdefault(id(param), []).append((module, name))
+    return found
+
+
+def _on_meta(selected: list[tuple[str, nn.Parameter]]) -> bool:
+    """All selected parameters on the meta device, or none: a mix has no sound order of init."""
+    meta = [fqn for fqn, p in selected if p.is_meta]
+    if meta and len(meta) != len(selected):
+        real = next(fqn for fqn, p in selected if not p.is_meta)
+        raise RuntimeError(
+            f"dedicate_params: {meta[0]!r} is on the meta device but {real!r} is not; build the "
+            "whole model on meta (then model.to_empty and initialise) or the whole model with memory"
+        )
+    return bool(meta)

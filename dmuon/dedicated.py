@@ -32,14 +32,14 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import compat
+from . import compat, deferred_init
 from .topology import Topology, current_rank
 
 __all__ = [
@@ -67,10 +67,11 @@ class DedicatedParam:
         owner: tuple[int, int],
         topo: Topology,
         compute_dtype: torch.dtype,
+        locations: list[tuple[nn.Module, str]],
+        bind: Callable[[nn.Parameter, DedicatedParam], None],
     ) -> None:
         self.fqn = fqn
         self.aliases = aliases
-        self.param = param
         self.owner = owner
         self.topo = topo
         self.shape = param.shape
@@ -78,15 +79,91 @@ class DedicatedParam:
         self.master_dtype = torch.promote_types(param.dtype, torch.float32)
         self.holds_master = topo.holds_master(owner)
         self.is_global_owner = topo.is_global_owner(owner)
-        self.master: nn.Parameter | None = None
-        if self.holds_master:
-            value = param.detach().to(device=topo.device, dtype=self.master_dtype, copy=True)
-            self.master = nn.Parameter(value, requires_grad=param.requires_grad)
+        self._master: nn.Parameter | None = None
         self._placeholder = torch.empty(0, dtype=compute_dtype, device=topo.device)
         self._unsharded = False
         self._replicate_work: dist.Work | None = None
+        self._replicas_synced = False
         self.registry: DedicatedRegistry | None = None  # set when registered
-        param.data = self._placeholder
+        self._param = param
+        self._bind = bind
+        # meta-device build (deferred_init.py): where the module keeps the parameter, until
+        # to_empty's replacement is adopted; the master's version if adopted unwritten
+        self._locations: list[tuple[nn.Module, str]] | None = None
+        self._unwritten_version: int | None = None
+        self.built_on_meta = param.is_meta
+        if param.is_meta:
+            self._locations = locations
+            param.data = deferred_init.stand_in(param, self.holds_master)
+        else:
+            if self.holds_master:
+                value = param.detach().to(device=topo.device, dtype=self.master_dtype, copy=True)
+                self._master = nn.Parameter(value, requires_grad=param.requires_grad)
+            param.data = self._placeholder
+        bind(param, self)
+
+    @property
+    def param(self) -> nn.Parameter:
+        """The module's parameter (after ``to_empty``: the new object, once adopted)."""
+        if self._locations is not None:
+            self._adopt()
+        return self._param
+
+    @property
+    def master(self) -> nn.Parameter | None:
+        """The fp32 master on the ranks that hold it, None elsewhere."""
+        self.require_materialised()
+        return self._master
+
+    def require_materialised(self) -> None:
+        if self._locations is not None and not self._adopt():
+            raise deferred_init.still_meta_error(self.fqn)
+
+    def _adopt(self) -> bool:
+        """Take over the parameter ``to_empty`` made (False while the model is still on meta)."""
+        assert self._locations is not None
+        fresh = deferred_init.materialised(self.fqn, self._locations)
+        if fresh is None:
+            return False
+        if self.holds_master:
+            self._master, self._unwritten_version = deferred_init.adopted_master(
+                self.fqn, fresh, tuple(self.shape), self.master_dtype, self.topo.device
+            )
+        fresh.data = self._placeholder
+        self._bind(fresh, self)
+        self._param = fresh
+        self._locations = None
+        return True
+
+    def materialize(self) -> None:
+        """Collective (the replicate group of the owner's column, under HSDP): adopt a
+        meta-built parameter, and give every replica the global owner's initial values."""
+        self.require_materialised()
+        if self._replicas_synced:
+            return
+        self._replicas_synced = True
+        if not self.holds_master or self.topo.replicate_size == 1:
+            return
+        unwritten = deferred_init.shared_flag(self._unwritten_now(), self.topo.replicate_group, self.owner[0],
+                                              self.topo.device) if self.built_on_meta else False
+        self.publish_to_replicas(async_op=False)
+        if self.built_on_meta:  # the replicas' masters are now the global owner's, written or not
+            self._unwritten_version = self.held_master._version if unwritten else None
+
+    def _unwritten_now(self) -> bool:
+        return self._unwritten_version is not None and self.held_master._version == self._unwritten_version
+
+    def _check_written_once(self) -> None:
+        """At the first forward of a meta-built parameter: refuse an owner's master that nothing
+        initialised or loaded (every rank of the shard group raises, no rank waits)."""
+        if self._unwritten_version is None and not self.built_on_meta:
+            return
+        self.built_on_meta = False
+        unwritten = self.holds_master and self._unwritten_now()
+        deferred_init.check_written(
+            self.fqn, unwritten, self.topo.shard_group, self.owner[1], self.topo.device
+        )
+        self._unwritten_version = None
 
     @property
     def held_master(self) -> nn.Parameter:
@@ -108,6 +185,8 @@ class DedicatedParam:
     def unshard(self) -> None:
         if self._unsharded:
             return
+        self.materialize()
+        self._check_written_once()
         self.wait_replicate()
         full = torch.empty(self.shape, dtype=self.compute_dtype, device=self.topo.device)
         if self.holds_master:
@@ -256,6 +335,18 @@ class DedicatedRegistry:
         self.sites = [site for site in self.sites if site not in gathered]
         self.add_site(module, [rec for site in gathered for rec in site.recs], fsdp_unit=True)
 
+    def materialize(self) -> None:
+        """Collective: every dedicated parameter adopted and its replicas in step
+        (:meth:`DedicatedParam.materialize`); raises while the model is still on meta."""
+        for rec in self:
+            rec.materialize()
+
+    def adopt_materialised(self) -> None:
+        """Local: take over what ``to_empty`` made of meta-built parameters, where it has run."""
+        for rec in self:
+            if rec.built_on_meta:
+                rec.param  # noqa: B018 - the property adopts
+
     def wait_all(self) -> None:
         for rec in self:
             rec.wait_replicate()
@@ -286,7 +377,12 @@ def register(model: nn.Module, registry: DedicatedRegistry) -> None:
 
 
 def get_registry(model: nn.Module) -> DedicatedRegistry | None:
-    return getattr(model, REGISTRY_ATTR, None)
+    """The model's registry, with any meta-built parameter that ``to_empty`` has given memory
+    adopted first: whoever asks then sees the parameters the module holds now."""
+    registry = getattr(model, REGISTRY_ATTR, None)
+    if registry is not None:
+        registry.adopt_materialised()
+    return registry
 
 
 def wait_all_replicate_broadcasts(model: nn.Module) -> None:

@@ -19,6 +19,7 @@ from typing import Any, BinaryIO
 
 import torch
 import torch.distributed as dist
+from torch.autograd.graph import increment_version
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
@@ -295,6 +296,9 @@ class _Delivery:
                 target.copy_(narrow_to(saved, req.storage_offsets, req.lengths))
             elif view is not None:  # one copy, from storage to the tensor, verified block by block
                 listing.read_data_into(index, stream, start, view, blocks)
+                # written through its memory: its version counter must say so, as an in-place
+                # torch op's would (autograd, and dmuon's check of unwritten masters, read it)
+                increment_version(target)
             elif self.dtype is not None and uploads.takes(target, math.prod(req.lengths) * self.dtype.itemsize):
                 # into a reused (pinned) buffer; its copy to the device overlaps the next read
                 host = uploads.buffer(tuple(req.lengths), self.dtype, target.device)

@@ -125,6 +125,8 @@ class Muon(torch.optim.Optimizer):
             raise ValueError(f"ns_steps must be >= 0, got {ns_steps}")
         self.model = model
         self.registry = get_registry(model)
+        if self.registry is not None:
+            self.registry.materialize()  # a meta-built model: adopt what init wrote (deferred_init.py)
         self.replicate_async = replicate_async
         self.fqn_of: dict[int, str] = {}
         self.dedicated_of: dict[int, DedicatedParam] = {}
