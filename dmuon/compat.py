@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 __all__ = [
+    "CHECKPOINT_WRAPPER_PREFIX",
     "CURRENT_DCP_VERSION",  # noqa: F822 - served by __getattr__
     "DCP_ASYNC_THREAD_PREFIX",
     "FSDP_PATCH_MODULE",
@@ -56,6 +57,7 @@ __all__ = [
     "require_all",
     "set_element",  # noqa: F822 - served by __getattr__
     "set_planner_flat_state",
+    "state_dict_name",
     "state_dict_request",
     "storage_type_names",  # noqa: F822 - served by __getattr__
     "tree_flatten",  # noqa: F822 - served by __getattr__
@@ -210,6 +212,21 @@ def state_dict_request(kind: str) -> StateDictRequest | None:
 # ---------------------------------------------------------------------------------------------
 FSDP_PATCH_MODULE = "torch.distributed.fsdp._fully_shard._fully_shard"
 FSDP_PATCH_TARGET = "_get_modules_and_states"
+
+
+# ---------------------------------------------------------------------------------------------
+# activation checkpointing's wrapper: the module name it inserts (see dedicate.py)
+# ---------------------------------------------------------------------------------------------
+#: ``checkpoint_wrapper`` (torchtitan's activation checkpointing) puts the wrapped module under
+#: this name; ``named_parameters`` shows it, ``state_dict`` strips it. ``dedicate_params`` may run
+#: after the wrapping (the order torchtitan's parallelize functions use) and names dedicated
+#: weights as ``state_dict`` does. ``tests/core/test_compat.py`` wraps a module and checks both.
+CHECKPOINT_WRAPPER_PREFIX = "_checkpoint_wrapped_module."
+
+
+def state_dict_name(name: str) -> str:
+    """A parameter's name from ``named_parameters`` as ``state_dict`` shows it."""
+    return name.replace(CHECKPOINT_WRAPPER_PREFIX, "")
 
 
 # ---------------------------------------------------------------------------------------------

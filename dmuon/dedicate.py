@@ -29,7 +29,7 @@ __all__ = ["dedicate_params"]
 def _tied_groups(model: nn.Module) -> dict[int, list[str]]:
     groups: dict[int, list[str]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
-        groups.setdefault(id(param), []).append(name)
+        groups.setdefault(id(param), []).append(compat.state_dict_name(name))
     return groups
 
 
@@ -70,8 +70,13 @@ def dedicate_params(
     (``fsdp_patch.py``), and the ranks check that they selected the same parameters.
 
     Args:
-        model: the unwrapped model (before any ``fully_shard``); its ``state_dict()`` becomes
-            dedicated-aware (the full weight on the ranks that hold it, absent elsewhere).
+        model: the model before any ``fully_shard`` (activation checkpointing and
+            ``torch.compile`` may already be applied), with memory or on the meta device
+            (``deferred_init.py``: ``to_empty`` then gives the owners their full weights and
+            the others nothing, and the initialisation that follows lands in the owners'
+            masters). Its ``state_dict()`` becomes dedicated-aware (the full weight on the
+            ranks that hold it, absent elsewhere). Parameters are named as ``state_dict``
+            names them.
         mesh: the 1-D shard mesh FSDP2 uses, or a 2-D mesh with dim names
             ``("replicate", "shard")`` for HSDP.
         predicate: ``(fqn, param) -> bool``, which parameters to dedicate (typically 2-D
@@ -93,7 +98,8 @@ def dedicate_params(
     topo = resolve_topology(mesh, replicate_mesh)
     tied = _tied_groups(model)
     selected: list[tuple[str, nn.Parameter]] = []
-    for fqn, param in model.named_parameters():
+    for name, param in model.named_parameters():
+        fqn = compat.state_dict_name(name)
         if not predicate(fqn, param):
             continue
         if isinstance(param, torch.distributed.tensor.DTensor):

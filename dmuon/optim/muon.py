@@ -141,7 +141,7 @@ class Muon(torch.optim.Optimizer):
             if is_dedicated(param) or not param.requires_grad:
                 continue
             adamw_params.append(param)
-            self.fqn_of[id(param)] = fqn
+            self.fqn_of[id(param)] = compat.state_dict_name(fqn)  # checkpoint keys, as state_dict's
         groups = [
             dict(
                 name=MUON_GROUP,

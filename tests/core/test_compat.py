@@ -149,8 +149,18 @@ def test_torch_async_save_runs_on_a_thread_named_with_the_prefix(tmp_path):
     assert any(name.startswith(compat.DCP_ASYNC_THREAD_PREFIX) for name in names), names
 
 
+def test_checkpoint_wrapper_prefix_is_in_parameter_names_and_not_in_state_dict_keys():
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    outer = torch.nn.Sequential(checkpoint_wrapper(torch.nn.Linear(2, 2)))
+    names = [name for name, _ in outer.named_parameters()]
+    assert names == [f"0.{compat.CHECKPOINT_WRAPPER_PREFIX}weight", f"0.{compat.CHECKPOINT_WRAPPER_PREFIX}bias"]
+    assert list(outer.state_dict()) == ["0.weight", "0.bias"]
+    assert [compat.state_dict_name(name) for name in names] == list(outer.state_dict())
+
+
 def test_compat_names_are_all_exercised():
-    tested = {"StorageInfo", "DCP_ASYNC_THREAD_PREFIX", "CURRENT_DCP_VERSION", "set_element", "rebuild_tensor", "storage_type_names",
+    tested = {"CHECKPOINT_WRAPPER_PREFIX", "state_dict_name", "StorageInfo", "DCP_ASYNC_THREAD_PREFIX", "CURRENT_DCP_VERSION", "set_element", "rebuild_tensor", "storage_type_names",
               "FSDP_PATCH_MODULE", "FSDP_PATCH_TARGET", "state_dict_request", "StateDictRequest", "TorchCompatError",
               "missing_features", "require_all", "tree_flatten", "PICKLED_METADATA_GLOBALS", "planner_flat_state",
               "set_planner_flat_state", "planner_mappings", "planner_nested_state", "optimizer_load_state_dict_hooks"}

@@ -7,6 +7,8 @@ errors, on every rank, for what cannot work.
 """
 from __future__ import annotations
 
+import zlib
+
 import pytest
 import torch
 from torch import nn
@@ -28,7 +30,9 @@ def per_module_init(model: nn.Module, seed: int = 7) -> None:
     """torchtitan-style init_weights, seeded per module: the same values whichever weights a
     rank holds (every random draw depends only on its module's seed)."""
     with torch.no_grad():
-        for index, (_, module) in enumerate(model.named_modules()):
+        for name, module in model.named_modules():
+            # seeded by the module's name as state_dict shows it (wrappers add none)
+            index = zlib.crc32(name.replace("_checkpoint_wrapped_module.", "").encode())
             if isinstance(module, nn.Linear):
                 torch.manual_seed(seed + index)
                 nn.init.normal_(module.weight, std=0.02)
@@ -222,3 +226,40 @@ def load_instead_of_init_worker(rank, world, path):
 def test_a_checkpoint_load_stands_in_for_init(tmp_path):
     for meta_losses, full_losses in run_ranks(load_instead_of_init_worker, 2, str(tmp_path / "ckpt"), timeout=90):
         assert meta_losses == full_losses
+
+
+def wrapped_worker(rank, world, path):
+    """torchtitan's order inside a parallelize function: activation checkpointing first, then
+    dedicate_params, then fully_shard; saved through torch's own entry point."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    with torch.device("meta"):
+        model = TinyTransformer()
+    for index, block in enumerate(model.layers):
+        model.layers[index] = checkpoint_wrapper(block)
+    owners = shard(model, make_mesh())
+    model.to_empty(device="cpu")
+    per_module_init(model)
+    model.logit_scale.fill_(1.0)
+    opt = dmuon.Muon(model, **HPARAMS)
+    losses = train(model, opt, rank, world, range(2))
+    dcp.save({"model": model.state_dict()}, checkpoint_id=path)
+    saved = dmuon.get_model_state_dict(model)
+    plain = TinyTransformer()
+    if rank == 0:
+        state = {"model": plain.state_dict()}
+        dcp.load(state, checkpoint_id=path, process_group=None, no_dist=True)
+        loaded = state["model"]
+    else:
+        loaded = {}
+    full = build_with_memory()
+    full_losses = train(full, dmuon.Muon(full, **HPARAMS), rank, world, range(2))
+    return sorted(owners), losses == full_losses, all(torch.equal(saved[k], loaded[k]) for k in loaded)
+
+
+def test_activation_checkpointing_applied_before_dedicate_params(tmp_path):
+    results = run_ranks(wrapped_worker, 2, str(tmp_path / "ckpt"), timeout=90)
+    owners, same_losses, loaded_equal = results[0]
+    assert "layers.0.q_proj.weight" in owners  # named as state_dict names it
+    assert all(r[1] for r in results) and loaded_equal
