@@ -144,8 +144,11 @@ class DedicatedParam:
         self._replicas_synced = True
         if not self.holds_master or self.topo.replicate_size == 1:
             return
-        unwritten = deferred_init.shared_flag(self._unwritten_now(), self.topo.replicate_group, self.owner[0],
-                                              self.topo.device) if self.built_on_meta else False
+        unwritten = (
+            deferred_init.shared_flag(self._unwritten_now(), self.topo.replicate_group, self.owner[0], self.topo.device)
+            if self.built_on_meta
+            else False
+        )
         self.publish_to_replicas(async_op=False)
         if self.built_on_meta:  # the replicas' masters are now the global owner's, written or not
             self._unwritten_version = self.held_master._version if unwritten else None
@@ -160,9 +163,7 @@ class DedicatedParam:
             return
         self.built_on_meta = False
         unwritten = self.holds_master and self._unwritten_now()
-        deferred_init.check_written(
-            self.fqn, unwritten, self.topo.shard_group, self.owner[1], self.topo.device
-        )
+        deferred_init.check_written(self.fqn, unwritten, self.topo.shard_group, self.owner[1], self.topo.device)
         self._unwritten_version = None
 
     @property
