@@ -217,7 +217,8 @@ def dedicated_parallelize(parallelize_fn: Callable[..., nn.Module],
     and ``fully_shard`` (FSDP2 leaves dedicated parameters alone). The mesh is the Trainer's
     ``fsdp`` mesh (with ``dp_replicate``: HSDP); dedicated weights compute in
     ``training.mixed_precision_param``, as FSDP's shards do (``dedicate_kwargs`` overrides).
-    Tensor, context, pipeline and expert parallelism are refused: a dedicated weight is whole.
+    Tensor, context, pipeline and expert parallelism are refused (a dedicated weight is whole),
+    and so is an ``spmd_backend`` other than ``"partial_dtensor"`` (set it in the config).
 
     It also takes gradient clipping over: ``training.max_norm`` is handed to
     :class:`MuonOptimizersContainer` (through the model) and set to infinity for torchtitan's
@@ -226,14 +227,22 @@ def dedicated_parallelize(parallelize_fn: Callable[..., nn.Module],
     from torchtitan.config import TORCH_DTYPE_MAP
 
     @functools.wraps(parallelize_fn)
-    def parallelize(model: nn.Module, *, parallel_dims: Any, training: Any, **kwargs: Any) -> nn.Module:
+    def parallelize(model: nn.Module, *, parallel_dims: Any, training: Any, parallelism: Any,
+                    **kwargs: Any) -> nn.Module:
+        if parallelism.spmd_backend != "partial_dtensor":
+            raise NotImplementedError(
+                f"dmuon needs parallelism.spmd_backend='partial_dtensor' (got {parallelism.spmd_backend!r}): "
+                "the other backends have FSDP expect every parameter as a DTensor on the full mesh, "
+                "and a dedicated parameter is a plain tensor"
+            )
         refused = [name for name in ("tp", "cp", "pp", "ep") if getattr(parallel_dims, f"{name}_enabled")]
         if refused:
             raise NotImplementedError(f"dmuon's dedicated weights need pure data parallelism; enabled here: {refused}")
         replicate = parallel_dims.get_mesh("dp_replicate") if parallel_dims.dp_replicate_enabled else None
         options = {"param_dtype": TORCH_DTYPE_MAP[training.mixed_precision_param], **dedicate_kwargs}
         dedicate_params(model, parallel_dims.get_mesh("fsdp"), predicate, replicate_mesh=replicate, **options)
-        model = parallelize_fn(model, parallel_dims=parallel_dims, training=training, **kwargs)
+        model = parallelize_fn(model, parallel_dims=parallel_dims, training=training, parallelism=parallelism,
+                               **kwargs)
         setattr(model, _MAX_NORM_ATTR, training.max_norm)
         training.max_norm = math.inf
         return model

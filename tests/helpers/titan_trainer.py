@@ -172,8 +172,11 @@ def run(config: Trainer.Config, *, stop_after: int | None = None) -> dict[str, A
     """Build the Trainer from ``config``, train (until step ``stop_after``), close it.
 
     ``stop_after`` ends the loop early as a preempted job would, with the schedule of the full
-    run. Returns ``{"losses": {step: loss}, "weights": {fqn: full fp32 tensor}}``.
+    run. Returns ``{"losses": {step: loss}, "weights": {fqn: full fp32 tensor}, "step": last,
+    "dedicated": [fqn, ...], "optimizer": container class name}``.
     """
+    from dmuon.dedicated import get_registry
+
     trainer = config.build()
     losses: dict[int, float] = {}
     log = trainer.metrics_processor.log
@@ -190,7 +193,10 @@ def run(config: Trainer.Config, *, stop_after: int | None = None) -> dict[str, A
         weights = full_weights(trainer.model_parts[0])
     finally:
         trainer.close()
-    return {"losses": losses, "weights": weights, "step": trainer.step}
+    registry = get_registry(trainer.model_parts[0])
+    return {"losses": losses, "weights": weights, "step": trainer.step,
+            "dedicated": sorted(rec.fqn for rec in registry or ()),
+            "optimizer": type(trainer.optimizers).__name__}
 
 
 def full_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
