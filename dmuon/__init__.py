@@ -3,6 +3,7 @@
 from . import exit_guard
 from .dedicate import dedicate_params
 from .dedicated import wait_all_replicate_broadcasts
+from .deferred_init import MetaDeviceError
 from .optim import Muon
 from .state_dict import (
     StateDictError,
@@ -17,6 +18,7 @@ __version__ = "0.1.0"
 exit_guard.install()  # an async save in flight at teardown is finished or reported (exit_guard.py)
 
 __all__ = [
+    "MetaDeviceError",
     "Muon",
     "StateDictError",
     "__version__",
