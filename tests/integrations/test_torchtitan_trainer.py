@@ -8,11 +8,18 @@ fresh processes matches an uninterrupted run bit for bit (every loss, every fina
 What the Trainer needs on CPU beside dmuon: tests/helpers/titan_cpu.py.
 """
 import os
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
+from tests.core.test_docs_examples import examples
 from tests.helpers.launch import run_ranks
+
+ROOT = Path(__file__).resolve().parents[2]
 
 STEPS, INTERVAL = 6, 3
 TIMEOUT = 240.0
@@ -80,3 +87,52 @@ def test_compiled_trainer_stop_and_resume_is_bit_exact(tmp_path, uninterrupted):
     # compiled and eager training agree to float rounding
     for step, loss in uninterrupted[0]["losses"].items():
         assert whole[0]["losses"][step] == pytest.approx(loss, rel=1e-4)
+
+
+PARSE = """
+from tests.helpers import titan_cpu
+titan_cpu.prepare()
+from torchtitan.config import ConfigManager
+from dmuon.integrations.torchtitan import MuonOptimizersContainer
+config = ConfigManager().parse_args(["--module", "my_configs", "--config", "llama3_8b_muon",
+                                     "--optimizer.lr", "0.01", "--optimizer.adamw_betas", "0.9", "0.95",
+                                     "--checkpoint.async_mode", "async", "--training.max_norm", "0.5"])
+assert isinstance(config.optimizer, MuonOptimizersContainer.Config), type(config.optimizer)
+assert (config.optimizer.lr, config.optimizer.adamw_lr, config.optimizer.adamw_betas) == (0.01, 3e-4, (0.9, 0.95))
+assert config.parallelism.spmd_backend == "partial_dtensor"
+assert config.checkpoint.async_mode == "async" and config.training.max_norm == 0.5
+assert config.model_spec.parallelize_fn.__wrapped__.__name__ == "parallelize_llama"
+print("parsed")
+"""
+
+
+def test_docs_config_parses_through_torchtitans_config_manager(tmp_path):
+    """docs/integrations.md's config module, as ``torchtitan.train --module/--config`` reads it.
+
+    In a subprocess: the CPU stand-ins of titan_cpu.py stay out of the test process.
+    """
+    (tmp_path / "my_configs.py").write_text(examples(ROOT / "docs" / "integrations.md")["torchtitan-trainer"])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
+    done = subprocess.run([sys.executable, "-c", PARSE], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0 and done.stdout.strip().endswith("parsed"), done.stderr[-4000:]
+
+
+@pytest.mark.parametrize("backend, enabled, message", [
+    ("spmd_types", (), "spmd_backend='partial_dtensor'"),
+    ("partial_dtensor", ("tp",), "pure data parallelism; enabled here: ['tp']"),
+    ("partial_dtensor", ("pp", "ep"), "enabled here: ['pp', 'ep']"),
+])
+def test_dedicated_parallelize_refuses_what_cannot_hold_a_whole_weight(backend, enabled, message):
+    from types import SimpleNamespace
+
+    from dmuon.integrations.torchtitan import dedicated_parallelize
+
+    def never(model, **kwargs):
+        raise AssertionError("the wrapped parallelize_fn must not run")
+
+    dims = SimpleNamespace(**{f"{name}_enabled": name in enabled for name in ("tp", "cp", "pp", "ep")})
+    parallelize = dedicated_parallelize(never)
+    with pytest.raises(NotImplementedError, match=re.escape(message)):
+        parallelize(torch.nn.Linear(2, 2), parallel_dims=dims, training=SimpleNamespace(max_norm=1.0),
+                    parallelism=SimpleNamespace(spmd_backend=backend))
