@@ -201,8 +201,9 @@ def _print_losses(rows, every: int = 5) -> None:
 def main(argv: list[str] | None = None) -> int:
     import tempfile
 
-    from .dcp import MissingConfigWarning, export, inspect
+    from .dcp import export, inspect
     from .dcp.cli import storage_options_from_pairs
+    from .dcp.hf_config import MissingConfigWarning
 
     parser = argparse.ArgumentParser(prog="python -m dmuon.demo", description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=40)

@@ -14,7 +14,7 @@ import pytest  # noqa: E402
 def pytest_configure(config):
     # Most tests export toy models, not HuggingFace ones: the note that from_pretrained needs a
     # config.json is for users (tests/dcp/test_export_hf.py checks it with pytest.warns).
-    config.addinivalue_line("filterwarnings", "ignore::dmuon.dcp.MissingConfigWarning")
+    config.addinivalue_line("filterwarnings", "ignore::dmuon.dcp.hf_config.MissingConfigWarning")
 
 
 @pytest.fixture(scope="session")

@@ -261,7 +261,7 @@ def export(
     dtype, so that ``from_pretrained(output)`` needs no other argument; it is read and checked
     before anything is written, opened with the checkpoint's ``storage_options`` when it is on
     the same kind of store. A safetensors export without it warns
-    (:class:`dmuon.dcp.MissingConfigWarning`) that ``from_pretrained`` will need one.
+    (:class:`dmuon.dcp.hf_config.MissingConfigWarning`) that ``from_pretrained`` will need one.
 
     ``output`` is a directory for safetensors (``model.safetensors``, or shards plus
     ``model.safetensors.index.json`` beyond ``max_shard_size``) and a file path for

@@ -383,7 +383,8 @@ def run_doc_command(name: str, replacements: dict, env: dict, cwd: Path) -> None
 
 def test_doc_commands_run_as_written(s3_server, gcs_server, s3_checkpoint, gcs_checkpoint, token_endpoint,
                                      tmp_path):
-    assert set(doc_commands()) == {"s3-export-options", "s3-export-environment", "gcs-export-environment"}
+    # hf-export (the HuggingFace recipe) runs in tests/dcp/test_export_hf.py
+    assert set(doc_commands()) == {"s3-export-options", "s3-export-environment", "gcs-export-environment", "hf-export"}
     s3_url, expected = s3_checkpoint
     opts = s3_server.storage_options
     s3 = {"s3://my-bucket/run-7/step-1000": s3_url, "http://127.0.0.1:8333": opts["endpoint_url"],

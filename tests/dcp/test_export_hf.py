@@ -1,6 +1,7 @@
 """Exports that transformers' ``from_pretrained(OUT)`` opens with no other argument: the model's
 config copied beside the weights with its dtype set, through the CLI as users run it."""
 import json
+import os
 import subprocess
 import sys
 import warnings
@@ -12,7 +13,7 @@ import torch
 import dmuon
 import dmuon.dcp as ddcp
 from dmuon.dcp.format.layout import HF_CONFIG_FILE, HF_GENERATION_CONFIG_FILE
-from dmuon.dcp.hf_config import read_hf_config, with_dtype
+from dmuon.dcp.hf_config import MissingConfigWarning, read_hf_config, with_dtype
 from tests.helpers.launch import run_ranks
 from tests.helpers.setup import max_abs_diff
 
@@ -112,7 +113,7 @@ def test_export_without_config_says_from_pretrained_needs_one(trained, tmp_path)
     assert res.returncode == 0, res.stderr
     assert "note:" in res.stderr and "from_pretrained will need one" in res.stderr and "--config PATH" in res.stderr
     assert not (tmp_path / "cli" / HF_CONFIG_FILE).exists()
-    with pytest.warns(ddcp.MissingConfigWarning, match=r"from_pretrained will need one; pass .* config=PATH"):
+    with pytest.warns(MissingConfigWarning, match=r"from_pretrained will need one; pass .* config=PATH"):
         ddcp.export(ckpt, tmp_path / "py")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -164,3 +165,66 @@ def test_read_config_from_a_file_or_its_folder(tmp_path):
     by_folder, by_file = read_hf_config(tmp_path), read_hf_config(tmp_path / HF_CONFIG_FILE)
     assert by_folder.document == by_file.document and by_folder.document["model_type"] == "llama"
     assert by_folder.generation is None  # a config alone: save_pretrained of a config writes no generation config
+
+
+# ---------------------------------------------------------------------------------------------
+# docs/export.md, "From and to HuggingFace": the recipes run as written
+# ---------------------------------------------------------------------------------------------
+DOC = Path(__file__).resolve().parents[2] / "docs" / "export.md"
+
+
+def doc_blocks(kind: str, language: str) -> dict[str, str]:
+    """The ``<!-- kind: name -->`` blocks of docs/export.md in ``language``, by name."""
+    import re
+
+    return dict(re.findall(rf"<!-- {kind}: ([\w-]+) -->\n```{language}\n(.*?)```", DOC.read_text(), re.S))
+
+
+def docs_worker(rank, world, workdir):
+    """In ``workdir`` (which holds ``path/to/hf-model``): the load recipe into a dmuon model, a
+    step of training, a dmuon checkpoint at ``checkpoints/step-1000``, the rank-0 save recipe."""
+    import os
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    os.chdir(workdir)
+    model = transformers.LlamaForCausalLM(tiny_config())
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    dmuon.dedicate_params(model, mesh, lambda n, p: p.ndim == 2 and "proj" in n)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    examples = doc_blocks("example", "python")
+    scope = {"ddcp": ddcp, "dmuon": dmuon, "dist": dist, "model": model}
+    exec(examples["hf-load"], scope)
+    loaded = dmuon.get_model_state_dict(model)
+    optimizer = dmuon.Muon(model, lr=0.02, adamw_lr=1e-3)
+    ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(rank))
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    ddcp.save(model, optimizer, "checkpoints/step-1000")
+    exec(examples["hf-save-rank0"], scope)
+    dist.barrier()
+    return {"loaded": loaded, "trained": dmuon.get_model_state_dict(model)}
+
+
+def test_doc_recipes_run_as_written(tmp_path):
+    assert {"hf-load", "hf-save-rank0"} <= set(doc_blocks("example", "python"))
+    torch.manual_seed(5)
+    pretrained = transformers.LlamaForCausalLM(tiny_config())
+    pretrained.save_pretrained(tmp_path / "path" / "to" / "hf-model")
+    result = run_ranks(docs_worker, 2, str(tmp_path), timeout=180)[0]
+    assert max_abs_diff(result["loaded"], pretrained.state_dict()) == 0.0
+    script = doc_blocks("command", "sh")["hf-export"]
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    res = subprocess.run(["bash", "-euo", "pipefail", "-c", script], capture_output=True, text=True,
+                         timeout=120, env=env, cwd=tmp_path)
+    assert res.returncode == 0, f"{script}\n{res.stderr}"
+    trained = transformers.LlamaForCausalLM(tiny_config())
+    trained.load_state_dict(result["trained"])
+    for out in ("hf-out", "hf-saved"):
+        loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / out)
+        assert max_abs_diff(loaded.state_dict(), result["trained"]) == 0.0, out
+        assert torch.equal(logits(loaded), logits(trained)), out
