@@ -59,7 +59,9 @@ def load_safetensors(
     """Collective in spirit (every rank calls it) but communication-free: each reads its part.
 
     Keys, shapes: checked for every key before anything is written. Dtypes may differ (bf16
-    weights into fp32 masters are cast).
+    weights into fp32 masters are cast). A tied weight may be stored under any one of its
+    names (``save_pretrained`` leaves ``lm_head.weight`` out when embeddings are tied): see
+    :func:`dmuon.state_dict.tied_sources`.
     """
     store, locations = safetensors_index(checkpoint_id, storage_options)
     try:
