@@ -17,7 +17,8 @@ import torch
 from torch import nn
 
 from . import compat, fsdp_patch
-from .dedicated import DedicatedRegistry, from_global_owner, get_registry
+from .dedicated import DedicatedRegistry, get_registry
+from .owner_transfer import from_global_owner
 
 __all__ = [
     "dedicated_value_problem",

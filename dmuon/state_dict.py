@@ -17,9 +17,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from .dedicated import DedicatedRegistry, from_global_owner, get_registry
+from .dedicated import DedicatedRegistry, get_registry
 from .dedicated_state_dict import raw_state_dict
 from .optim.muon import ADAMW_GROUP, MUON_GROUP, Muon, apply_hyperparameters, state_field_shape, state_fields
+from .owner_transfer import from_global_owner
 from .topology import current_rank as _rank
 
 __all__ = [

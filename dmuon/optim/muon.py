@@ -24,8 +24,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from .. import compat
-from ..dedicated import DedicatedParam, from_global_owner, get_registry
+from ..dedicated import DedicatedParam, get_registry
 from ..fsdp_patch import is_dedicated
+from ..owner_transfer import from_global_owner
 from .newton_schulz import orthogonalize
 
 __all__ = [
