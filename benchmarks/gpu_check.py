@@ -190,7 +190,7 @@ def main() -> None:
         print(f"{key:<11} wall min {value['min']:.3f} s, median {value['median']:.3f} s")
     (out / "gpu_check.json").write_text(json.dumps(summary, indent=1))
     print(json.dumps(summary))
-    ddcp.async_checkpointer(model).close()
+    ddcp.api.model_checkpointer(model).close()
     dist.destroy_process_group()
 
 

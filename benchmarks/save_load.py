@@ -235,7 +235,7 @@ def worker(rank, world, n_matrices, run_dir, methods, repeats, warmup):
                 for op, sample in by_op.items():
                     samples[method][op].append(sample)
     if "async" in methods:
-        ddcp.async_checkpointer(model).close()  # frees its staging buffers
+        ddcp.api.model_checkpointer(model).close()  # frees its staging buffers
     return {"share_bytes": share, "orders": orders, "samples": samples}
 
 

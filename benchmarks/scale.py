@@ -189,7 +189,9 @@ def worker(rank, world, n_tensors, run_dir, saves, replicate=1, profile_dir=None
     torch_reader = timed(dcp.FileSystemReader, clock)
     # One planner object per method for the whole run, as a training job keeps one: the
     # repeated saves are where caching the plan of an unchanged layout can pay.
-    planners = {"dmuon": dmuon_planner(plan_cache=ddcp.SavePlanCache()),
+    from dmuon.dcp.plan_cache import SavePlanCache
+
+    planners = {"dmuon": dmuon_planner(plan_cache=SavePlanCache()),
                 "torch": torch_planner(enable_plan_caching=True),
                 PEER_GC_PAUSED: torch_planner_gc_paused(enable_plan_caching=True)}
     collector = {"dmuon": paused_gc, "torch": contextlib.nullcontext, PEER_GC_PAUSED: paused_gc}

@@ -126,17 +126,17 @@ def worker(args) -> None:
         record("step boundary: the preemption all-reduce alone (ms)", agreement(idle) * 1000)
         record("save: plain ddcp.save to S3 (blocking)", slowest(functools.partial(
             ddcp.save, model, opt, f"{args.persistent}-direct/{repeat}", storage_options=options)))
-        record("restore: local tier", slowest(lambda: manager.restore(model, opt)))
+        record("restore: local tier", slowest(lambda: manager.resume(model, opt)))
         assert manager.last_restore.source == "local" and manager.last_restore.step == saved
         if node == 0:  # one worker per node here
             shutil.rmtree(local)
         dist.barrier()
-        record("restore: peer replica (node 0's directory gone)", slowest(lambda: manager.restore(model, opt)))
+        record("restore: peer replica (node 0's directory gone)", slowest(lambda: manager.resume(model, opt)))
         assert manager.last_restore.source == "local" and manager.last_restore.step == saved
         record("restore: bytes fetched from the peer (MiB, rank 0)", manager.last_restore.fetched_bytes / 2**20)
         shutil.rmtree(local, ignore_errors=True)
         dist.barrier()
-        record("restore: S3", slowest(lambda: manager.restore(model, opt)))
+        record("restore: S3", slowest(lambda: manager.resume(model, opt)))
         assert manager.last_restore.source == "persistent" and manager.last_restore.step == saved
         step = saved  # the restored state: train on from there
     sizes = sum(p.numel() * p.element_size() for p in model.parameters())

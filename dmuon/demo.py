@@ -129,7 +129,7 @@ def _crashing(rank: int, world_size: int, args, out_dir: str) -> None:
 
     mesh = init_device_mesh("cpu", (world_size,))
     model, optimizer, _ = build(mesh)
-    manager = ddcp.CheckpointManager(args.run_dir, keep_last=2, storage_options=args.storage_options)
+    manager = ddcp.CheckpointManager(args.run_dir, keep=2, storage_options=args.storage_options)
     save_times = []
     for step in range(args.steps):
         if step == args.crash_at and rank == world_size - 1:
@@ -148,9 +148,9 @@ def _resumed(rank: int, world_size: int, args, out_dir: str) -> None:
 
     mesh = init_device_mesh("cpu", (world_size,))
     model, optimizer, _ = build(mesh)
-    manager = ddcp.CheckpointManager(args.run_dir, keep_last=2, storage_options=args.storage_options)
+    manager = ddcp.CheckpointManager(args.run_dir, keep=2, storage_options=args.storage_options)
     t0 = time.perf_counter()
-    start = manager.load_latest(model, optimizer)
+    start = manager.resume(model, optimizer)
     load_secs = time.perf_counter() - t0
     if start is None:  # the crashing run committed checkpoints: not finding one is a failure
         raise RuntimeError(f"no committed checkpoint under {args.run_dir} to resume from")

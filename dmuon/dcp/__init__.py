@@ -1,9 +1,26 @@
-"""dmuon's DCP backend: owner-written sharded checkpoints on local disk, S3 and GCS."""
+"""dmuon's DCP backend: owner-written sharded checkpoints on local disk, S3 and GCS.
 
-from .api import load, save
-from .app_state import AppState, DedicatedEntry, DedicatedLayout
-from .async_checkpointer import AsyncCheckpointer, AsyncSaveHandle, async_checkpointer, async_save
-from .checkpoint import CheckpointListing, inspect, open_checkpoint, verify
+Which door for which job (README.md has the table with examples):
+
+* a script: :func:`save` / :func:`load` / :func:`async_save`, torch's idiom;
+* a training loop with resume and retention: :class:`CheckpointManager`;
+* node-local tiers, replication and preemption: :class:`TieredCheckpointManager`;
+* your own loop over saves: a :class:`Checkpointer` or :class:`AsyncCheckpointer` kept by you;
+* torch's own ``dcp.save`` / ``dcp.load`` / ``dcp.async_save``, torchtitan: :class:`AppState`
+  and the planners, reader and writer below.
+
+Everything else stays importable from the submodules (``dmuon.dcp.storage``, ``.errors``,
+``.tiers``, ...). Names that moved from here still work, with a ``DeprecationWarning`` naming
+their new place (``deprecation.py``), until dmuon 0.2.
+"""
+
+from typing import Any
+
+from .api import async_save, load, save
+from .app_state import AppState
+from .checkpoint import inspect, verify
+from .checkpointer import AsyncCheckpointer, Checkpointer, SaveHandle
+from .deprecation import moved_name
 from .errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -12,62 +29,65 @@ from .errors import (
     CheckpointMismatchError,
     CheckpointNotFoundError,
     NoLoadableCheckpointError,
-    PlanCacheError,
-    SaveRefusedError,
     StorageError,
     UnsafeCheckpointError,
 )
 from .export import export
-from .hf_config import MissingConfigWarning
 from .load_planner import DMuonLoadPlanner
 from .manager import CheckpointManager
-from .plan_cache import SavePlanCache
 from .reader import DMuonStorageReader
 from .save_planner import DMuonSavePlanner
-from .storage import RetryPolicy, Store
-from .storage.registry import open_store, register_store, unregister_store
-from .tiers import PreemptionReport, RestoreReport, TieredCheckpointManager
+from .tiers import TieredCheckpointManager
 from .writer import DMuonStorageWriter
 
 __all__ = [
     "AppState",
     "AsyncCheckpointer",
-    "AsyncSaveHandle",
     "CheckpointCorruptError",
     "CheckpointError",
     "CheckpointExistsError",
     "CheckpointIncompleteError",
-    "CheckpointListing",
     "CheckpointManager",
     "CheckpointMismatchError",
     "CheckpointNotFoundError",
+    "Checkpointer",
     "DMuonLoadPlanner",
     "DMuonSavePlanner",
     "DMuonStorageReader",
     "DMuonStorageWriter",
-    "DedicatedEntry",
-    "DedicatedLayout",
-    "MissingConfigWarning",
     "NoLoadableCheckpointError",
-    "PlanCacheError",
-    "PreemptionReport",
-    "RestoreReport",
-    "RetryPolicy",
-    "SavePlanCache",
-    "SaveRefusedError",
+    "SaveHandle",
     "StorageError",
-    "Store",
     "TieredCheckpointManager",
     "UnsafeCheckpointError",
-    "async_checkpointer",
     "async_save",
     "export",
     "inspect",
     "load",
-    "open_checkpoint",
-    "open_store",
-    "register_store",
     "save",
-    "unregister_store",
     "verify",
 ]
+
+#: old public name -> (where it lives now, its name there)
+MOVED = {
+    "AsyncSaveHandle": ("dmuon.dcp.checkpointer", "SaveHandle"),
+    "async_checkpointer": ("dmuon.dcp.api", "model_checkpointer"),
+    "CheckpointListing": ("dmuon.dcp.checkpoint", "CheckpointListing"),
+    "open_checkpoint": ("dmuon.dcp.checkpoint", "open_checkpoint"),
+    "DedicatedEntry": ("dmuon.dcp.app_state", "DedicatedEntry"),
+    "DedicatedLayout": ("dmuon.dcp.app_state", "DedicatedLayout"),
+    "PlanCacheError": ("dmuon.dcp.errors", "PlanCacheError"),
+    "SaveRefusedError": ("dmuon.dcp.errors", "SaveRefusedError"),
+    "SavePlanCache": ("dmuon.dcp.plan_cache", "SavePlanCache"),
+    "RetryPolicy": ("dmuon.dcp.storage", "RetryPolicy"),
+    "Store": ("dmuon.dcp.storage", "Store"),
+    "open_store": ("dmuon.dcp.storage.registry", "open_store"),
+    "register_store": ("dmuon.dcp.storage.registry", "register_store"),
+    "unregister_store": ("dmuon.dcp.storage.registry", "unregister_store"),
+    "PreemptionReport": ("dmuon.dcp.tiers", "PreemptionReport"),
+    "RestoreReport": ("dmuon.dcp.tiers", "RestoreReport"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    return moved_name(__name__, name, MOVED)

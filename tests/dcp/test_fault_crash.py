@@ -30,7 +30,7 @@ def crash_points(remote: bool):
 def first_save_worker(rank, world, root, options):
     model, opt = build()
     train(model, opt, rank, world, range(2))
-    ddcp.CheckpointManager(root, keep_last=50, storage_options=options).save(1, model, opt, extra={"step": 1})
+    ddcp.CheckpointManager(root, keep=50, storage_options=options).save(1, model, opt, extra={"step": 1})
     return dmuon.get_model_state_dict(model)
 
 
@@ -39,12 +39,12 @@ def crashing_worker(rank, world, root, options, step, qualname, victim, nth):
     train(model, opt, rank, world, range(3))
     if victim is None or victim == rank:
         faults.on_call(qualname, faults.sigkill, nth=nth)
-    ddcp.CheckpointManager(root, keep_last=50, storage_options=options).save(step, model, opt)
+    ddcp.CheckpointManager(root, keep=50, storage_options=options).save(step, model, opt)
 
 
 def verify_worker(rank, world, root, options, crashed):
     model, opt = build()
-    manager = ddcp.CheckpointManager(root, keep_last=50, storage_options=options)
+    manager = ddcp.CheckpointManager(root, keep=50, storage_options=options)
     listed = manager.steps()
     refused = 0
     for step in crashed:
@@ -52,7 +52,7 @@ def verify_worker(rank, world, root, options, crashed):
             ddcp.load(model, opt, manager.path(step), storage_options=options)
         except (ddcp.CheckpointIncompleteError, ddcp.CheckpointNotFoundError):
             refused += 1
-    latest = manager.load_latest(model, opt)
+    latest = manager.resume(model, opt)
     state = dmuon.get_model_state_dict(model)
     import torch.distributed as dist
 

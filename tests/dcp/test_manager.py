@@ -13,8 +13,8 @@ from tests.helpers.training import build, train
 
 def retention_worker(rank, world, root, storage_options):
     model, opt = build()
-    manager = ddcp.CheckpointManager(root, keep_last=2, storage_options=storage_options)
-    assert manager.load_latest(model, opt) is None  # nothing there yet
+    manager = ddcp.CheckpointManager(root, keep=2, storage_options=storage_options)
+    assert manager.resume(model, opt) is None  # nothing there yet
     for step in range(1, 6):
         train(model, opt, rank, world, range(step - 1, step))
         manager.save(step, model, opt, extra={"step": step})
@@ -23,8 +23,8 @@ def retention_worker(rank, world, root, storage_options):
 
 def resume_worker(rank, world, root, storage_options):
     model, opt = build()
-    manager = ddcp.CheckpointManager(root, keep_last=2, storage_options=storage_options)
-    step = manager.load_latest(model, opt)
+    manager = ddcp.CheckpointManager(root, keep=2, storage_options=storage_options)
+    step = manager.resume(model, opt)
     return {"step": step, "extra": manager.last_extra, "state": dmuon.get_model_state_dict(model)}
 
 
@@ -42,7 +42,7 @@ def test_keep_last_and_load_latest(checkpoint_location, backend):
 
 def crash_worker(rank, world, root):
     model, opt = build()
-    manager = ddcp.CheckpointManager(root, keep_last=3)
+    manager = ddcp.CheckpointManager(root, keep=3)
     for step in (1, 2):
         train(model, opt, rank, world, range(step - 1, step))
         manager.save(step, model, opt)
@@ -59,8 +59,8 @@ def crash_worker(rank, world, root):
 
 def after_crash_worker(rank, world, root):
     model, opt = build()
-    manager = ddcp.CheckpointManager(root, keep_last=3)
-    step = manager.load_latest(model, opt)
+    manager = ddcp.CheckpointManager(root, keep=3)
+    step = manager.resume(model, opt)
     listed = manager.steps()
     loaded = dmuon.get_model_state_dict(model)
     train(model, opt, rank, world, range(2, 3))
@@ -84,7 +84,7 @@ def test_crash_mid_save_resumes_from_previous_step(tmp_path):
 
 def async_worker(rank, world, root):
     model, opt = build()
-    manager = ddcp.CheckpointManager(root, keep_last=2, async_save=True)
+    manager = ddcp.CheckpointManager(root, keep=2, async_save=True)
     for step in (1, 2):
         manager.save(step, model, opt)
     manager.wait()
@@ -114,8 +114,8 @@ def test_async_manager_keeps_the_step_being_written(tmp_path):
 
 
 def test_async_manager_needs_keep_last_2():
-    with pytest.raises(ValueError, match="keep_last must be >= 2"):
-        ddcp.CheckpointManager("/tmp/x", keep_last=1, async_save=True)
+    with pytest.raises(ValueError, match="keep must be >= 2"):
+        ddcp.CheckpointManager("/tmp/x", keep=1, async_save=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -123,7 +123,7 @@ def test_async_manager_needs_keep_last_2():
 # ---------------------------------------------------------------------------------------------
 def two_steps_worker(rank, world, root):
     model, opt = build()
-    manager = ddcp.CheckpointManager(root, keep_last=3)
+    manager = ddcp.CheckpointManager(root, keep=3)
     for step in (1, 2):
         train(model, opt, rank, world, range(step - 1, step))
         manager.save(step, model, opt, extra={"step": step})
@@ -133,9 +133,9 @@ def two_steps_worker(rank, world, root):
 def load_latest_worker(rank, world, root):
     model, opt = build()
     before = dmuon.get_model_state_dict(model, rank0_only=False)
-    manager = ddcp.CheckpointManager(root, keep_last=3)
+    manager = ddcp.CheckpointManager(root, keep=3)
     try:
-        step = manager.load_latest(model, opt)
+        step = manager.resume(model, opt)
     except ddcp.CheckpointError as exc:
         return {"error": f"{type(exc).__name__}: {exc}",
                 "unchanged": max_abs_diff(dmuon.get_model_state_dict(model, rank0_only=False), before) == 0.0}
@@ -193,7 +193,7 @@ def oddshapes_resume_worker(rank, world, root):
     model = OddShapes()
     _, opt = shard_model(model, make_mesh(), lambda n, p: n in DEDICATED, wrap=())
     manager = ddcp.CheckpointManager(root)
-    step = manager.load_latest(model, opt)
+    step = manager.resume(model, opt)
     return {"step": step, "extra": manager.last_extra, "model": dmuon.get_model_state_dict(model)}
 
 

@@ -10,7 +10,9 @@ import torch.distributed.checkpoint as dcp
 
 import dmuon
 import dmuon.dcp as ddcp
+from dmuon.dcp.errors import PlanCacheError
 from dmuon.dcp.format.layout import METADATA, rank_of_data_file
+from dmuon.dcp.plan_cache import SavePlanCache
 from tests.helpers.launch import run_ranks
 from tests.helpers.setup import max_abs_diff
 from tests.helpers.training import build, train
@@ -18,7 +20,7 @@ from tests.helpers.training import build, train
 
 def repeated_saves_worker(rank, world, root):
     model, opt = build()
-    cache = ddcp.SavePlanCache()
+    cache = SavePlanCache()
     expected = []
     for i in range(3):
         train(model, opt, rank, world, range(i, i + 1))
@@ -60,7 +62,7 @@ def test_repeated_saves_reuse_plans_and_each_loads_bit_exactly(tmp_path):
 
 def dtype_change_worker(rank, world, root):
     model, _ = build()
-    planner = ddcp.DMuonSavePlanner(plan_cache=ddcp.SavePlanCache())
+    planner = ddcp.DMuonSavePlanner(plan_cache=SavePlanCache())
     state = model.state_dict()
     dcp.save(state, storage_writer=ddcp.DMuonStorageWriter(f"{root}/fp32"), planner=planner)
     bf16 = {k: v.to(torch.bfloat16) for k, v in model.state_dict().items()}
@@ -79,14 +81,14 @@ def test_a_changed_dtype_is_planned_afresh(tmp_path):
 
 def out_of_step_worker(rank, world, root):
     model, opt = build()
-    cache = ddcp.SavePlanCache()
+    cache = SavePlanCache()
     ddcp.save(model, opt, f"{root}/first", plan_cache=cache)
     if rank == 0:
         cache.clear()  # the coordinator forgets; rank 1 still offers its cached plan
     out = {}
     try:
         ddcp.save(model, opt, f"{root}/second", plan_cache=cache)
-    except ddcp.PlanCacheError as exc:
+    except PlanCacheError as exc:
         out["error"] = str(exc)
     dist.barrier()
     out["second_files"] = sorted(os.listdir(f"{root}/second")) if os.path.exists(f"{root}/second") else []

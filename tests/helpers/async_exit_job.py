@@ -41,7 +41,7 @@ def start_save(entry: str, model, opt, path: str, storage_options: dict | None):
     if entry == "async_save":
         return ddcp.async_save(model, opt, path, extra={"step": 2}, storage_options=storage_options)
     if entry == "manager":
-        manager = ddcp.CheckpointManager(path, keep_last=2, async_save=True, storage_options=storage_options)
+        manager = ddcp.CheckpointManager(path, keep=2, async_save=True, storage_options=storage_options)
         manager.save(2, model, opt, extra={"step": 2})
         return manager
     # torch's own dcp.async_save (what torchtitan's async mode calls), on a gloo group of its own

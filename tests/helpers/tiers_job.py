@@ -79,7 +79,7 @@ def main() -> None:
     )
     start = 0
     if args.mode in ("restore", "resume"):
-        start = manager.restore(model, opt) or 0
+        start = manager.resume(model, opt) or 0
         report = dataclasses.asdict(manager.last_restore)
         report["extra"] = manager.last_extra
         if rank == 0:

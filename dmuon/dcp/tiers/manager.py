@@ -29,10 +29,10 @@ from dataclasses import dataclass
 from torch import nn
 
 from ...optim.muon import Muon
-from .. import api
+from ..checkpointer import Checkpointer
+from ..deprecation import renamed, renamed_argument
 from ..errors import CheckpointError, StorageError
 from ..manager import CheckpointManager
-from ..plan_cache import SavePlanCache
 from .background import BackgroundWork
 from .local import CommitCopy, LocalTier
 from .nodes import NodeLayout, TierGroups, discover_nodes
@@ -67,7 +67,7 @@ class TieredCheckpointManager:
     ``local_root``: this node's directory (a local path; each node passes its own, and the
     same one again after a restart on that machine). ``persistent_root``: any dmuon URL, the
     same on every rank; None for a local tier only. ``storage_options``: for the persistent
-    tier. ``local_keep`` / ``persistent_keep``: committed steps kept in each (the local count
+    tier. ``keep`` / ``persistent_keep``: committed steps kept in each (the local count
     applies to the node's own steps and to each peer's replicas). ``replicate``: copy each
     node's files to the next node (ignored on one node). ``node_rank``: this rank's node
     (default: torchrun's ``GROUP_RANK``, else ranks on one host are one node).
@@ -87,7 +87,7 @@ class TieredCheckpointManager:
         *,
         local_every: int = 1,
         persistent_every: int | None = None,
-        local_keep: int = 2,
+        keep: int = 2,
         persistent_keep: int = 3,
         storage_options: dict | None = None,
         replicate: bool = True,
@@ -95,24 +95,26 @@ class TieredCheckpointManager:
         preemption_signals: Iterable[int] | None = (signal.SIGTERM,),
         preemption_deadline_s: float | None = None,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        local_keep: int | None = None,
     ) -> None:
+        keep = renamed_argument("TieredCheckpointManager", "local_keep", local_keep, "keep", keep)
         if local_every < 1:
             raise ValueError(f"local_every must be >= 1, got {local_every}")
         if persistent_every is not None and persistent_every < 1:
             raise ValueError(f"persistent_every must be >= 1 (or None), got {persistent_every}")
         if persistent_every is not None and persistent_root is None:
             raise ValueError("persistent_every needs a persistent_root")
-        if local_keep < 1 or persistent_keep < 1:
-            raise ValueError(f"local_keep and persistent_keep must be >= 1, got {local_keep}, {persistent_keep}")
+        if keep < 1 or persistent_keep < 1:
+            raise ValueError(f"keep and persistent_keep must be >= 1, got {keep}, {persistent_keep}")
         self.local = LocalTier(local_root)
         self.persistent = (
-            CheckpointManager(persistent_root, keep_last=persistent_keep, storage_options=storage_options)
+            CheckpointManager(persistent_root, keep=persistent_keep, storage_options=storage_options)
             if persistent_root is not None
             else None
         )
         self.local_every = local_every
         self.persistent_every = persistent_every
-        self.local_keep = local_keep
+        self.keep = keep
         self.replicate = replicate
         self.chunk_bytes = chunk_bytes
         self.preemption_deadline_s = preemption_deadline_s
@@ -120,7 +122,7 @@ class TieredCheckpointManager:
         self.layout: NodeLayout = discover_nodes(self.groups, node_rank)
         self.background = BackgroundWork("dmuon-tiers")
         self.preemption = PreemptionWatcher(preemption_signals) if preemption_signals is not None else None
-        self.plan_cache = SavePlanCache()
+        self.checkpointer = Checkpointer()  # the local saves (and what they keep: the save plans)
         self.last_extra: dict = {}  # what the restored checkpoint carried in ``extra``
         self.last_restore: RestoreReport | None = None
         self.last_preemption: PreemptionReport | None = None
@@ -164,6 +166,11 @@ class TieredCheckpointManager:
         self._in_background(step, copy, promote)
 
     def restore(self, model: nn.Module, optimizer: Muon | None) -> int | None:
+        """Deprecated name of :meth:`resume`."""
+        renamed("TieredCheckpointManager.restore()", "TieredCheckpointManager.resume()")
+        return self.resume(model, optimizer)
+
+    def resume(self, model: nn.Module, optimizer: Muon | None) -> int | None:
         """Collective: load the newest step that is complete in some tier (own files, a peer's
         replica, the persistent tier; every rank agreeing on one); returns it, or None when no
         tier holds a checkpoint. :attr:`last_restore` says where it came from."""
@@ -212,7 +219,7 @@ class TieredCheckpointManager:
             self.local.prepare_step_dir(step)
         self.groups.barrier()
         os.makedirs(path, exist_ok=True)
-        api.save(model, optimizer, path, extra=extra, overwrite=True, plan_cache=self.plan_cache)
+        self.checkpointer.save(model, optimizer, path, extra=extra, overwrite=True)
         offer: tuple[CommitCopy | None, str | None] = (None, None)
         if self.groups.rank == 0:
             try:
@@ -261,7 +268,7 @@ class TieredCheckpointManager:
                 )
             if replicated and self.layout.is_leader:  # older steps go only once this one is safe
                 try:
-                    self.local.retain(self.local_keep, upto=step)
+                    self.local.retain(self.keep, upto=step)
                 except OSError as exc:
                     log.warning("local retention under %s: %s", self.local.root, exc)
             if errors:

@@ -31,6 +31,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from ...optim.muon import Muon
 from .. import api
 from ..app_state import AppState
+from ..checkpointer import extra_template
 from ..errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -120,7 +121,7 @@ def planned_reads(model: nn.Module, optimizer: Muon | None, metadata: Metadata) 
     """The byte ranges, per data file, that loading ``metadata``'s checkpoint into this rank's
     model and optimizer reads: the load is planned (as ``api.load`` plans it), not run."""
     state = AppState(model, optimizer).state_dict()
-    extra = api.extra_template(metadata)
+    extra = extra_template(metadata)
     if extra:
         state[EXTRA_SECTION] = extra
     planner = DMuonLoadPlanner()

@@ -77,7 +77,7 @@ def test_uninterrupted_run_filled_both_tiers(trained):
 
     for node in (0, 1):
         root = trained["local"] / f"node{node}"
-        assert sorted(os.listdir(root)) == [f"peer-{1 - node}", "step-4", "step-6"]  # local_keep=2
+        assert sorted(os.listdir(root)) == [f"peer-{1 - node}", "step-4", "step-6"]  # keep=2
         assert sorted(os.listdir(root / f"peer-{1 - node}")) == ["step-4", "step-6"]
     persistent = ddcp.CheckpointManager(trained["persistent"], storage_options=trained["options"])
     assert persistent.steps() == [4]

@@ -45,7 +45,7 @@ def exit_guard_worker(rank, world, base):
     stop = manager.step(2, model, opt, extra={"step": 2})
     report = manager.last_preemption
     manager.close()
-    ddcp.async_checkpointer(model).close()
+    ddcp.api.model_checkpointer(model).close()
     restored = signal.getsignal(signal.SIGTERM)
     return {"guard_in_front": guard_in_front, "committed_by_handler": committed, "stop": stop, "report": report,
             "steps": manager.local_steps(), "handler_after_close": restored}

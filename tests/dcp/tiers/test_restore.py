@@ -61,7 +61,7 @@ def restore_worker(rank, world, base, model_kwargs):
     model, opt = build(**model_kwargs)
     manager = ddcp.TieredCheckpointManager(f"{base}/node{rank}", node_rank=rank)
     try:
-        step = manager.restore(model, opt)
+        step = manager.resume(model, opt)
     except ddcp.CheckpointError as exc:
         return {"error": f"{type(exc).__name__}: {exc}"}
     finally:
@@ -121,7 +121,7 @@ def hsdp_worker(rank, world, base, phase):
         manager.step(2, model, opt, extra={"step": 2})
         result = None
     else:
-        result = {"step": manager.restore(model, opt), "report": manager.last_restore}
+        result = {"step": manager.resume(model, opt), "report": manager.last_restore}
     manager.close()
     return {"restored": result, "model": dmuon.get_model_state_dict(model),
             "optim": dmuon.get_optimizer_state_dict(model, opt)}

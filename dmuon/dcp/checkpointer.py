@@ -1,0 +1,350 @@
+"""The checkpointers: one save body and one load body for every door.
+
+:class:`Checkpointer` saves and loads a model and its ``dmuon.Muon`` optimizer through DCP with
+dmuon's planners, reader and writer, and keeps what one save leaves for the next: the save
+plans of an unchanged layout (a :class:`~dmuon.dcp.plan_cache.SavePlanCache`).
+:class:`AsyncCheckpointer` is the same object whose write runs in the background: ``save``
+returns once this rank's share is copied to host memory. It also keeps a gloo group of its own
+(DCP's collectives in a background thread can deadlock with training collectives on one group)
+and the host staging buffers, reused from one save to the next. Both have one vocabulary:
+``save`` returns a :class:`SaveHandle`, ``wait(timeout)`` says whether the save in flight
+finished (and raises its failure), ``close`` frees what is kept.
+
+The one-line doors (``dmuon.dcp.save``, ``load``, ``async_save``, in ``api.py``) and the
+managers (``manager.py``, ``tiers/``) are built on these two classes and run no save of their
+own. A save in flight at the end of a job is finished first, or reported on stderr with a
+non-zero exit (:mod:`dmuon.exit_guard`); ``close()`` remains the way to end cleanly.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import time
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+from .. import compat, exit_guard
+from ..optim.muon import Muon
+from .app_state import AppState
+from .checkpoint import open_checkpoint
+from .errors import CheckpointError, from_checkpoint_exception
+from .format.layout import EXTRA_SECTION
+from .gc_pause import paused_gc
+from .hf import is_safetensors_checkpoint, load_safetensors
+from .load_planner import DMuonLoadPlanner
+from .plan_cache import SavePlanCache
+from .reader import DMuonStorageReader
+from .save_planner import DMuonSavePlanner
+from .writer import DMuonStorageWriter
+
+__all__ = [
+    "AsyncCheckpointer",
+    "Checkpointer",
+    "SaveHandle",
+    "extra_template",
+    "model_checkpointer",
+    "run_checkpoint_op",
+]
+
+
+def run_checkpoint_op(fn, *args, what: str, **kwargs):
+    """Call ``dcp.save``/``dcp.load``; turn torch's BaseException into a typed, catchable error."""
+    try:
+        return fn(*args, **kwargs)
+    except CheckpointException as exc:
+        raise from_checkpoint_exception(exc, what) from exc.failures[min(exc.failures)][0]
+
+
+def extra_template(metadata: Metadata) -> dict:
+    """Skeleton of the saved ``extra`` subtree, for DCP to fill in (keys come from the metadata)."""
+    template: dict = {}
+    mappings = metadata.planner_data or {}
+    for fqn, md in metadata.state_dict_metadata.items():
+        path = mappings.get(fqn)
+        if not path or path[0] != EXTRA_SECTION:
+            continue
+        if isinstance(md, TensorStorageMetadata):
+            value: Any = torch.empty(md.size, dtype=md.properties.dtype)
+        elif isinstance(md, BytesStorageMetadata):
+            value = None
+        else:  # pragma: no cover - future metadata kinds
+            continue
+        compat.set_element(template, path, value)
+    return template.get(EXTRA_SECTION, {})
+
+
+class SaveHandle:
+    """One save. A synchronous save's handle is done when ``save`` returns."""
+
+    def __init__(self, checkpoint_id: str | os.PathLike, future: concurrent.futures.Future) -> None:
+        self.checkpoint_id = checkpoint_id
+        self.started = time.perf_counter()
+        self.finished: float | None = None
+        self.reported = False
+        self._future = future
+        future.add_done_callback(self._mark_finished)
+
+    @classmethod
+    def committed(cls, checkpoint_id: str | os.PathLike) -> SaveHandle:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        future.set_result(None)
+        return cls(checkpoint_id, future)
+
+    def _mark_finished(self, _future) -> None:
+        self.finished = time.perf_counter()
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    @property
+    def error(self) -> BaseException | None:
+        return self._future.exception() if self._future.done() else None
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """True once the save committed; False if ``timeout`` seconds passed first. A failed
+        save raises a :class:`CheckpointError` (once: the next wait returns True)."""
+        try:
+            self._future.exception(timeout)
+        except concurrent.futures.TimeoutError:
+            return False
+        error = self._future.exception()
+        if error is not None and not self.reported:
+            self.reported = True
+            if isinstance(error, CheckpointException):
+                error = from_checkpoint_exception(error, f"async save to {self.checkpoint_id}")
+            raise CheckpointError(f"async save to {self.checkpoint_id} failed: {error}") from error
+        return True
+
+
+class Checkpointer:
+    """Saves and loads one training job's model and optimizer; collective (every rank calls
+    every method, in the same order). ``storage_options``: the default for every call (fsspec
+    options: endpoint, credentials; ``direct_io`` for a local directory)."""
+
+    def __init__(self, *, storage_options: dict | None = None) -> None:
+        self.storage_options = storage_options
+        self.plan_cache = SavePlanCache()
+        self._in_flight: SaveHandle | None = None
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    @property
+    def in_flight(self) -> SaveHandle | None:
+        return self._in_flight
+
+    def save(
+        self,
+        model: nn.Module,
+        optimizer: Muon | None,
+        checkpoint_id: str | os.PathLike,
+        *,
+        extra: dict | None = None,
+        storage_options: dict | None = None,
+        overwrite: bool = False,
+    ) -> SaveHandle:
+        """Collective: every rank writes its own share straight to ``checkpoint_id``.
+
+        ``checkpoint_id`` is a local directory or an fsspec URL (``s3://``, ``gs://``, ...).
+        An existing committed checkpoint is only replaced with ``overwrite=True``, and then
+        stays readable until the new one commits. The previous save is finished first, and
+        its failure raised. The checkpoint holds the state at the call, whatever training does
+        after it returns. Python's garbage collector is paused while planning (``gc_pause.py``).
+        """
+        self.wait()
+        _finish_other_saves(model, self)
+        options = self.storage_options if storage_options is None else storage_options
+        state = AppState(model, optimizer, extra).state_dict()
+        writer = DMuonStorageWriter(checkpoint_id, storage_options=options, overwrite=overwrite)
+        planner = DMuonSavePlanner(plan_cache=self.plan_cache)
+        self._in_flight = self._write(state, writer, planner, checkpoint_id)
+        return self._in_flight
+
+    def _write(self, state: dict, writer: DMuonStorageWriter, planner: DMuonSavePlanner, checkpoint_id) -> SaveHandle:
+        try:
+            with paused_gc():
+                run_checkpoint_op(
+                    dcp.save, state, storage_writer=writer, planner=planner, what=f"save to {checkpoint_id}"
+                )
+        except BaseException:
+            self.plan_cache.clear()  # every rank fails the same save: the caches stay in step
+            raise
+        return SaveHandle.committed(checkpoint_id)
+
+    def load(
+        self,
+        model: nn.Module,
+        optimizer: Muon | None,
+        checkpoint_id: str | os.PathLike,
+        *,
+        storage_options: dict | None = None,
+        allow_partial_load: bool = False,
+        cooperative: bool | None = None,
+    ) -> dict:
+        """Collective: load model (and optimizer) from any topology; returns the saved ``extra``.
+
+        Shapes and dtypes are checked for every key first; on a mismatch nothing is written
+        and one error lists every problem; ``allow_partial_load=True`` skips mismatched keys
+        instead. A HuggingFace safetensors file or directory loads the model part
+        (``optimizer=None``). A region several ranks hold identical copies of (HSDP replicas, a
+        dedicated weight's shard column) is read from storage by one of them and sent to the
+        others (``cooperative.py``; from a local path only to ranks of other machines: one
+        machine's page cache serves its ranks); ``cooperative=False`` (or
+        ``DMUON_COOPERATIVE_LOAD=0``) has every rank read for itself, ``True`` exchanges
+        between ranks of one machine too. The save in flight is finished first.
+        """
+        self.wait()
+        _finish_other_saves(model, self)
+        options = self.storage_options if storage_options is None else storage_options
+        if is_safetensors_checkpoint(checkpoint_id, options):
+            if optimizer is not None:
+                raise ValueError("a safetensors checkpoint holds weights only: pass optimizer=None")
+            load_safetensors(model, checkpoint_id, storage_options=options, strict=not allow_partial_load)
+            return {}
+        listing = open_checkpoint(checkpoint_id, options)  # typed errors before any collective
+        app = AppState(model, optimizer)
+        state = app.state_dict()
+        extra = extra_template(listing.metadata)
+        if extra:
+            state[EXTRA_SECTION] = extra
+        reader = DMuonStorageReader(checkpoint_id, storage_options=options, listing=listing, cooperative=cooperative)
+        planner = DMuonLoadPlanner(allow_partial_load=allow_partial_load)
+        with paused_gc():
+            run_checkpoint_op(
+                dcp.load, state, storage_reader=reader, planner=planner, what=f"load from {checkpoint_id}"
+            )
+        app.load_state_dict(state)
+        return app.loaded_extra
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Finish the save in flight and raise its failure if nobody has seen it yet; False if
+        ``timeout`` seconds passed first (it stays in flight)."""
+        handle = self._in_flight
+        if handle is None:
+            return True
+        try:
+            if not handle.wait(timeout):
+                return False
+        except BaseException:
+            self._in_flight = None
+            self.plan_cache.clear()  # (every rank's save failed: every rank clears)
+            raise
+        finally:
+            if handle.done():
+                exit_guard.release_signals_if_idle()
+        self._in_flight = None
+        return True
+
+    def close(self) -> None:
+        """Finish the save in flight (raising its failure), then free what saves keep."""
+        try:
+            self.wait()
+        finally:
+            self.plan_cache.clear()
+
+
+def _staging_options() -> StagingOptions:
+    """Pinned host memory where there is an accelerator to copy from; plain memory on CPU
+    (torch's defaults need an accelerator and fail on a CPU-only machine)."""
+    accelerator = torch.accelerator.is_available()
+    return StagingOptions(
+        use_pinned_memory=accelerator,
+        use_shared_memory=False,
+        use_async_staging=False,
+        use_non_blocking_copy=accelerator,
+    )
+
+
+class AsyncCheckpointer(Checkpointer):
+    """A :class:`Checkpointer` whose saves write in the background: ``save`` returns once this
+    rank's share is in host memory. One save in flight at a time; a failure nobody has looked
+    at is raised at the next call. Its gloo group is created on the first save (collective)."""
+
+    def __init__(self, *, storage_options: dict | None = None) -> None:
+        super().__init__(storage_options=storage_options)
+        self._group: dist.ProcessGroup | None = None
+        self._stager: DefaultStager | None = None
+
+    # -- the exit guard's protocol (exit_guard.InFlight) ----------------------------------------
+    def pending_description(self) -> str | None:
+        """The checkpoint being written, or whose failure nobody has seen."""
+        handle = self._in_flight
+        if handle is None or (handle.done() and (handle.error is None or handle.reported)):
+            return None
+        return str(handle.checkpoint_id)
+
+    def finish_pending(self) -> str | None:
+        """Wait for the save in flight; None if it committed, else its error."""
+        handle = self._in_flight
+        if handle is None:
+            return None
+        try:
+            handle.wait()
+        except CheckpointError as exc:
+            return str(exc)
+        return None
+
+    def _process_group(self) -> dist.ProcessGroup | None:
+        if self._group is None and dist.is_initialized():
+            # every rank is a member, so never GroupMember.NON_GROUP_MEMBER (in torch 2.14's stubs)
+            self._group = cast(dist.ProcessGroup, dist.new_group(backend="gloo"))
+        return self._group
+
+    def _write(self, state: dict, writer: DMuonStorageWriter, planner: DMuonSavePlanner, checkpoint_id) -> SaveHandle:
+        exit_guard.track(self)  # raises first if this torch cannot guard a save at teardown
+        group = self._process_group()
+        if self._stager is None:
+            self._stager = DefaultStager(_staging_options())
+        try:
+            future = dcp.async_save(
+                state, storage_writer=writer, planner=planner, process_group=group, async_stager=self._stager
+            )
+        except BaseException:
+            self.plan_cache.clear()  # planning or staging failed on every rank
+            raise
+        assert isinstance(future, concurrent.futures.Future)  # staging is synchronous here
+        handle = SaveHandle(checkpoint_id, future)
+        exit_guard.guard_signals()
+        return handle
+
+    def close(self) -> None:
+        """Finish the save in flight (raising its failure), then free the staging memory."""
+        try:
+            super().close()
+        finally:
+            if self._stager is not None:
+                self._stager.close()
+                self._stager = None
+
+
+_CHECKPOINTER_ATTR = "_dmuon_async_checkpointer"
+
+
+def model_checkpointer(model: nn.Module) -> AsyncCheckpointer:
+    """The checkpointer ``dmuon.dcp.async_save`` uses for ``model`` (created on first use, kept
+    on the model and freed with it, or by its ``close()``)."""
+    checkpointer = getattr(model, _CHECKPOINTER_ATTR, None)
+    if checkpointer is None:
+        checkpointer = AsyncCheckpointer()
+        setattr(model, _CHECKPOINTER_ATTR, checkpointer)
+    return checkpointer
+
+
+def _finish_other_saves(model: nn.Module, caller: Checkpointer) -> None:
+    """Before another checkpointer saves or loads ``model``: the async save in flight from
+    ``async_save(model, ...)`` is finished (and its failure raised); two saves of one model
+    never write at once, and a load never races a save of the same model."""
+    checkpointer = getattr(model, _CHECKPOINTER_ATTR, None)
+    if checkpointer is not None and checkpointer is not caller:
+        checkpointer.wait()
