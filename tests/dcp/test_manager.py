@@ -29,7 +29,7 @@ def resume_worker(rank, world, root, storage_options):
 
 
 @pytest.mark.parametrize("backend", ["local", "s3", "rgw"])
-def test_keep_last_and_load_latest(checkpoint_location, backend):
+def test_keep_and_resume(checkpoint_location, backend):
     root, options = checkpoint_location(backend)
     saved = run_ranks(retention_worker, 2, root, options)[0]
     assert saved["steps"] == [4, 5]
@@ -113,13 +113,13 @@ def test_async_manager_keeps_the_step_being_written(tmp_path):
     assert res["steps"] == [2, 3]
 
 
-def test_async_manager_needs_keep_last_2():
+def test_async_manager_needs_keep_2():
     with pytest.raises(ValueError, match="keep must be >= 2"):
         ddcp.CheckpointManager("/tmp/x", keep=1, async_save=True)
 
 
 # ---------------------------------------------------------------------------------------------
-# load_latest falls back only past a step whose bytes are at fault, and never starts over silently
+# resume falls back only past a step whose bytes are at fault, and never starts over silently
 # ---------------------------------------------------------------------------------------------
 def two_steps_worker(rank, world, root):
     model, opt = build()
@@ -130,7 +130,7 @@ def two_steps_worker(rank, world, root):
     return dmuon.get_model_state_dict(model)
 
 
-def load_latest_worker(rank, world, root):
+def resume_worker(rank, world, root):
     model, opt = build()
     before = dmuon.get_model_state_dict(model, rank0_only=False)
     manager = ddcp.CheckpointManager(root, keep=3)
@@ -161,23 +161,23 @@ def flip_a_data_byte(path):
     victim.write_bytes(bytes(data))
 
 
-def test_load_latest_raises_on_a_refused_step_instead_of_falling_back(tmp_path):
+def test_resume_raises_on_a_refused_step_instead_of_falling_back(tmp_path):
     root = tmp_path / "run"
     run_ranks(two_steps_worker, 2, str(root))
     refuse_metadata(root / "step-2")
-    for res in run_ranks(load_latest_worker, 2, str(root)):
+    for res in run_ranks(resume_worker, 2, str(root)):
         assert res["error"].startswith("UnsafeCheckpointError") and "fractions.Fraction" in res["error"], res
         assert res["unchanged"]
 
 
-def test_load_latest_skips_a_corrupted_step_and_raises_when_none_loads(tmp_path):
+def test_resume_skips_a_corrupted_step_and_raises_when_none_loads(tmp_path):
     root = tmp_path / "run"
     saved = run_ranks(two_steps_worker, 2, str(root))[0]
     flip_a_data_byte(root / "step-2")
-    res = run_ranks(load_latest_worker, 2, str(root))[0]
+    res = run_ranks(resume_worker, 2, str(root))[0]
     assert res["step"] == 1 and "state" in res and max_abs_diff(res["state"], saved) > 0.0
     flip_a_data_byte(root / "step-1")
-    for res in run_ranks(load_latest_worker, 2, str(root)):
+    for res in run_ranks(resume_worker, 2, str(root)):
         assert res["error"].startswith("NoLoadableCheckpointError"), res
         assert "step-1" in res["error"] and "step-2" in res["error"] and "checksum" in res["error"], res
 
@@ -197,7 +197,7 @@ def oddshapes_resume_worker(rank, world, root):
     return {"step": step, "extra": manager.last_extra, "model": dmuon.get_model_state_dict(model)}
 
 
-def test_load_latest_resumes_a_step_written_on_python_3_11_2(tmp_path):
+def test_resume_resumes_a_step_written_on_python_3_11_2(tmp_path):
     import shutil
 
     import torch
