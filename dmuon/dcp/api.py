@@ -49,12 +49,18 @@ def load(
     storage_options: dict | None = None,
     allow_partial_load: bool = False,
     cooperative: bool | None = None,
+    cast_dtypes: bool = False,
 ) -> dict:
     """Collective: load model (and optimizer) from a checkpoint of any topology, or the model
     from HuggingFace safetensors; returns the saved ``extra``
     (:meth:`Checkpointer.load <dmuon.dcp.Checkpointer.load>`)."""
     return Checkpointer(storage_options=storage_options).load(
-        model, optimizer, checkpoint_id, allow_partial_load=allow_partial_load, cooperative=cooperative
+        model,
+        optimizer,
+        checkpoint_id,
+        allow_partial_load=allow_partial_load,
+        cooperative=cooperative,
+        cast_dtypes=cast_dtypes,
     )
 
 

@@ -191,6 +191,7 @@ class Checkpointer:
         storage_options: dict | None = None,
         allow_partial_load: bool = False,
         cooperative: bool | None = None,
+        cast_dtypes: bool = False,
     ) -> dict:
         """Collective: load model (and optimizer) from any topology; returns the saved ``extra``.
 
@@ -202,7 +203,9 @@ class Checkpointer:
         others (``cooperative.py``; from a local path only to ranks of other machines: one
         machine's page cache serves its ranks); ``cooperative=False`` (or
         ``DMUON_COOPERATIVE_LOAD=0``) has every rank read for itself, ``True`` exchanges
-        between ranks of one machine too. The save in flight is finished first.
+        between ranks of one machine too. ``cast_dtypes=True`` loads floating-point entries
+        stored in another floating-point dtype by casting them (an fp32 checkpoint into a bf16
+        model); without it they are refused, by name. The save in flight is finished first.
         """
         self.wait()
         _finish_other_saves(model, self)
@@ -219,7 +222,7 @@ class Checkpointer:
         if extra:
             state[EXTRA_SECTION] = extra
         reader = DMuonStorageReader(checkpoint_id, storage_options=options, listing=listing, cooperative=cooperative)
-        planner = DMuonLoadPlanner(allow_partial_load=allow_partial_load)
+        planner = DMuonLoadPlanner(allow_partial_load=allow_partial_load, cast_dtypes=cast_dtypes)
         with paused_gc():
             run_checkpoint_op(
                 dcp.load, state, storage_reader=reader, planner=planner, what=f"load from {checkpoint_id}"

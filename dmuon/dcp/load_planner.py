@@ -64,14 +64,24 @@ class DMuonLoadPlanner(DefaultLoadPlanner):
 
     Args:
         allow_partial_load: skip (and log) the keys that do not fit instead of refusing the load.
+        cast_dtypes: load a floating-point entry stored in another floating-point dtype by
+            casting it to the state dict's (an fp32 checkpoint into a bf16 model), as torch's
+            default planner does silently; without it such an entry is refused, by name.
         models: for a plain state dict, where in it a dmuon model's ``state_dict()`` lies (as
             for :class:`~dmuon.dcp.DMuonSavePlanner`); every rank then checks every dedicated
             key, held there or not. An ``AppState`` brings its own layout and needs none.
     """
 
-    def __init__(self, allow_partial_load: bool = False, *, models: Mapping[str, nn.Module] | None = None) -> None:
+    def __init__(
+        self,
+        allow_partial_load: bool = False,
+        *,
+        models: Mapping[str, nn.Module] | None = None,
+        cast_dtypes: bool = False,
+    ) -> None:
         super().__init__(flatten_state_dict=True, flatten_sharded_tensors=True, allow_partial_load=allow_partial_load)
         self.partial = allow_partial_load
+        self.cast_dtypes = cast_dtypes
         self.models = dict(models or {})
         self.skipped: list[str] = []
 
@@ -103,7 +113,7 @@ class DMuonLoadPlanner(DefaultLoadPlanner):
         explain (for the coordinator to check against the other ranks' plans)."""
         problems: dict[str, str] = dict(self.refused)
         for fqn, want in self.expected.items():
-            problem = _mismatch(fqn, want, stored.get(fqn))
+            problem = _mismatch(fqn, want, stored.get(fqn), self.cast_dtypes)
             if problem is not None:
                 problems[fqn] = problem
         sections = self._checked_sections()
@@ -162,9 +172,9 @@ class DMuonLoadPlanner(DefaultLoadPlanner):
         compat.set_element(compat.planner_nested_state(self), path, obj)
 
 
-def _mismatch(fqn: str, want: tuple[tuple, torch.dtype] | None, md) -> str | None:
+def _mismatch(fqn: str, want: tuple[tuple, torch.dtype] | None, md, cast_dtypes: bool = False) -> str | None:
     """Why the stored entry ``md`` cannot fill a state-dict entry like ``want`` (None: a
-    non-tensor), or None if it can."""
+    non-tensor), or None if it can (``cast_dtypes``: from one floating-point dtype to another)."""
     if md is None:
         return f"{fqn}: missing from the checkpoint"
     if want is None:
@@ -186,6 +196,10 @@ def _mismatch(fqn: str, want: tuple[tuple, torch.dtype] | None, md) -> str | Non
             )
         return problem
     if md.properties.dtype != dtype:
+        castable = md.properties.dtype.is_floating_point and dtype.is_floating_point
+        if castable and cast_dtypes:
+            return None
         stored, wanted = _describe_dtype(md.properties.dtype), _describe_dtype(dtype)
-        return f"{fqn}: dtype {stored} in the checkpoint, {wanted} in the model"
+        hint = " (cast_dtypes=True casts it)" if castable else ""
+        return f"{fqn}: dtype {stored} in the checkpoint, {wanted} in the model{hint}"
     return None

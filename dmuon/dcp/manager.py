@@ -154,7 +154,7 @@ class CheckpointManager:
         renamed("CheckpointManager.load_latest()", "CheckpointManager.resume()")
         return self.resume(model, optimizer)
 
-    def resume(self, model: nn.Module, optimizer: Muon | None) -> int | None:
+    def resume(self, model: nn.Module, optimizer: Muon | None, *, cast_dtypes: bool = False) -> int | None:
         """Collective: load the newest committed step that loads; returns it, or None if none is committed.
 
         Only a step whose bytes are at fault (incomplete, or failing a checksum, size or structural
@@ -163,13 +163,14 @@ class CheckpointManager:
         fit the model among them, is raised at once: falling back to an older step, or starting
         over, because this process cannot read what it wrote would silently throw training away.
         When committed steps exist and none loads, :class:`NoLoadableCheckpointError` lists every
-        step's error; None means there was nothing to resume from.
+        step's error; None means there was nothing to resume from. ``cast_dtypes``: as for
+        :meth:`Checkpointer.load <dmuon.dcp.Checkpointer.load>` (a bf16 run resuming an fp32 one).
         """
         self.wait()
         failures: list[str] = []
         for step in reversed(self.steps()):
             try:
-                self.last_extra = self.checkpointer.load(model, optimizer, self.path(step))
+                self.last_extra = self.checkpointer.load(model, optimizer, self.path(step), cast_dtypes=cast_dtypes)
             except UnsafeCheckpointError:
                 raise
             except (CheckpointCorruptError, CheckpointIncompleteError) as exc:

@@ -170,13 +170,14 @@ class TieredCheckpointManager:
         renamed("TieredCheckpointManager.restore()", "TieredCheckpointManager.resume()")
         return self.resume(model, optimizer)
 
-    def resume(self, model: nn.Module, optimizer: Muon | None) -> int | None:
+    def resume(self, model: nn.Module, optimizer: Muon | None, *, cast_dtypes: bool = False) -> int | None:
         """Collective: load the newest step that is complete in some tier (own files, a peer's
         replica, the persistent tier; every rank agreeing on one); returns it, or None when no
-        tier holds a checkpoint. :attr:`last_restore` says where it came from."""
+        tier holds a checkpoint. :attr:`last_restore` says where it came from. ``cast_dtypes``:
+        as for :meth:`Checkpointer.load <dmuon.dcp.Checkpointer.load>`."""
         self.background.wait()
         self.background.raise_failure()
-        context = TierContext(self.groups, self.layout, self.local, self.persistent, self.chunk_bytes)
+        context = TierContext(self.groups, self.layout, self.local, self.persistent, self.chunk_bytes, cast_dtypes)
         report, self.last_extra = restore(context, model, optimizer)
         self.last_restore = report
         if report.source == LOCAL:

@@ -90,6 +90,7 @@ class TierContext:
     tier: LocalTier
     persistent: CheckpointManager | None
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    cast_dtypes: bool = False  # load floating-point entries stored in another dtype, cast
 
 
 def choose_candidates(holdings: list[Holdings], persistent_steps: list[int]) -> list[Candidate]:
@@ -117,14 +118,16 @@ def choose_candidates(holdings: list[Holdings], persistent_steps: list[int]) -> 
     return out
 
 
-def planned_reads(model: nn.Module, optimizer: Muon | None, metadata: Metadata) -> dict[str, list[tuple[int, int]]]:
+def planned_reads(
+    model: nn.Module, optimizer: Muon | None, metadata: Metadata, cast_dtypes: bool = False
+) -> dict[str, list[tuple[int, int]]]:
     """The byte ranges, per data file, that loading ``metadata``'s checkpoint into this rank's
     model and optimizer reads: the load is planned (as ``api.load`` plans it), not run."""
     state = AppState(model, optimizer).state_dict()
     extra = extra_template(metadata)
     if extra:
         state[EXTRA_SECTION] = extra
-    planner = DMuonLoadPlanner()
+    planner = DMuonLoadPlanner(cast_dtypes=cast_dtypes)
     planner.set_up_planner(state, metadata, False)
     reads: dict[str, list[tuple[int, int]]] = defaultdict(list)
     for item in planner.create_local_plan().items:
@@ -216,7 +219,7 @@ def _restore_local(ctx: TierContext, candidate: Candidate, held: Holdings, model
     metadata = load_metadata_bytes(copy.metadata_bytes, f"step {step} ({LOCAL} tier)")
     mine: CheckpointError | None = None
     try:
-        reads = planned_reads(model, optimizer, metadata)
+        reads = planned_reads(model, optimizer, metadata, ctx.cast_dtypes)
     except CheckpointError as exc:  # a wrong model: every rank finds the same problems
         reads, mine = {}, exc
     problems = [p for p in groups.all_gather(None if mine is None else str(mine)) if p is not None]
@@ -245,7 +248,7 @@ def _restore_local(ctx: TierContext, candidate: Candidate, held: Holdings, model
         # each rank reads its own plan from its node's view: a cooperative load would have one
         # rank read a region for others on other nodes, sending over the network bytes that
         # are already on their own disks (it pays off against object storage, not here)
-        return api.load(model, optimizer, view, cooperative=False)
+        return api.load(model, optimizer, view, cooperative=False, cast_dtypes=ctx.cast_dtypes)
     finally:
         groups.barrier()
         if layout.is_leader:
@@ -276,7 +279,9 @@ def restore(ctx: TierContext, model: nn.Module, optimizer: Muon | None) -> tuple
             else:
                 assert ctx.persistent is not None
                 path = ctx.persistent.path(candidate.step)
-                extra = api.load(model, optimizer, path, storage_options=ctx.persistent.storage_options)
+                extra = api.load(
+                    model, optimizer, path, storage_options=ctx.persistent.storage_options, cast_dtypes=ctx.cast_dtypes
+                )
         except UnsafeCheckpointError:
             raise
         except (CheckpointCorruptError, CheckpointIncompleteError) as exc:
