@@ -50,6 +50,7 @@ __all__ = [
     "Checkpointer",
     "SaveHandle",
     "extra_template",
+    "load_state",
     "model_checkpointer",
     "run_checkpoint_op",
 ]
@@ -79,6 +80,18 @@ def extra_template(metadata: Metadata) -> dict:
             continue
         compat.set_element(template, path, value)
     return template.get(EXTRA_SECTION, {})
+
+
+def load_state(model: nn.Module, optimizer: Muon | None, metadata: Metadata) -> tuple[AppState, dict]:
+    """What a load of ``metadata``'s checkpoint fills in, built in one place for the loads and
+    for the tiers' planning of one: the model's and optimizer's state, and the skeleton of the
+    saved ``extra``; with the :class:`AppState` that puts it back."""
+    app = AppState(model, optimizer)
+    state = app.state_dict()
+    extra = extra_template(metadata)
+    if extra:
+        state[EXTRA_SECTION] = extra
+    return app, state
 
 
 class SaveHandle:
@@ -216,11 +229,7 @@ class Checkpointer:
             load_safetensors(model, checkpoint_id, storage_options=options, strict=not allow_partial_load)
             return {}
         listing = open_checkpoint(checkpoint_id, options)  # typed errors before any collective
-        app = AppState(model, optimizer)
-        state = app.state_dict()
-        extra = extra_template(listing.metadata)
-        if extra:
-            state[EXTRA_SECTION] = extra
+        app, state = load_state(model, optimizer, listing.metadata)
         reader = DMuonStorageReader(checkpoint_id, storage_options=options, listing=listing, cooperative=cooperative)
         planner = DMuonLoadPlanner(allow_partial_load=allow_partial_load, cast_dtypes=cast_dtypes)
         with paused_gc():

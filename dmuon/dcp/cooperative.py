@@ -33,6 +33,7 @@ machines notwithstanding; unset is the behaviour above.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections import defaultdict
 from collections.abc import Callable, Hashable, Sequence
@@ -43,6 +44,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
 
+from .agreement import agree
 from .errors import CheckpointError
 
 __all__ = [
@@ -206,12 +208,7 @@ def read_shared(
         read_items([item for item in plan.items if id(item) not in received], planner, keep)
     except BaseException as error:  # reported to every rank below, then raised here
         failure = error
-    failed = read_failures(failure, group)
-    if failure is not None:
-        raise failure
-    if failed:
-        rank = min(failed)
-        raise _as_raised(rank, *failed[rank])
+    agree(failure, functools.partial(_all_gather, group=group), "cooperative load: nothing was exchanged, reads failed")
     device = exchange_device(group)
     sends = []
     for position, transfer in share.sends.items():
@@ -250,23 +247,10 @@ def exchange_device(group: Any) -> torch.device:
     return torch.device("cpu")
 
 
-def read_failures(failure: BaseException | None, group: Any) -> dict[int, tuple[type, str]]:
-    """Every rank says whether its reads succeeded: the failures by group rank, each as its
-    exception type and message, so that every rank can report the real cause."""
-    mine = None if failure is None else (type(failure), str(failure))
+def _all_gather(obj: Any, group: Any) -> list[Any]:
     everyone: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, mine, group=group)
-    return {rank: entry for rank, entry in enumerate(everyone) if entry is not None}
-
-
-def _as_raised(rank: int, kind: type, message: str) -> CheckpointError:
-    text = f"cooperative load: rank {rank} of the load's group failed reading, nothing was exchanged: {message}"
-    if isinstance(kind, type) and issubclass(kind, CheckpointError):
-        try:
-            return kind(text)
-        except TypeError:
-            pass
-    return CheckpointError(text)
+    dist.all_gather_object(everyone, obj, group=group)
+    return everyone
 
 
 def exchange(sends: list[tuple[Transfer, torch.Tensor]], receives: list[tuple[Transfer, torch.Tensor]], group: Any):

@@ -10,7 +10,6 @@ from torch import nn
 from ..optim.muon import Muon
 from ..topology import current_rank as _rank
 from .checkpointer import AsyncCheckpointer, Checkpointer, SaveHandle
-from .commit import remove_checkpoint
 from .deprecation import renamed, renamed_argument
 from .errors import (
     CheckpointCorruptError,
@@ -18,7 +17,8 @@ from .errors import (
     NoLoadableCheckpointError,
     UnsafeCheckpointError,
 )
-from .format.layout import METADATA, step_dir_name, step_of_dir
+from .format.layout import step_dir_name
+from .step_root import StepRoot
 from .storage.registry import open_store
 
 __all__ = ["CheckpointManager"]
@@ -70,6 +70,7 @@ class CheckpointManager:
         self.async_save = async_save
         self.storage_options = storage_options
         self.store = open_store(self.root, storage_options)
+        self.step_root = StepRoot(self.store)
         self.checkpointer: Checkpointer = (
             AsyncCheckpointer(storage_options=storage_options)
             if async_save
@@ -86,17 +87,9 @@ class CheckpointManager:
     def path(self, step: int) -> str:
         return f"{self.root}/{step_dir_name(step)}"
 
-    def _step_dirs(self) -> dict[int, str]:
-        out = {}
-        for name in self.store.list_dirs():
-            step = step_of_dir(name)
-            if step is not None:
-                out[step] = name
-        return out
-
     def steps(self) -> list[int]:
         """Committed steps, oldest first."""
-        return sorted(step for step, name in self._step_dirs().items() if METADATA in self.store.child(name).list())
+        return self.step_root.committed()
 
     def _writing(self) -> int | None:
         handle = self.checkpointer.in_flight
@@ -129,25 +122,7 @@ class CheckpointManager:
 
     def clean_up(self) -> list[int]:
         """Delete uncommitted leftovers and committed steps beyond ``keep``; returns them."""
-        writing = self._writing()
-        dirs = self._step_dirs()
-        committed = [s for s in sorted(dirs) if METADATA in self.store.child(dirs[s]).list()]
-        if writing is None:
-            keep = set(committed[-self.keep :])
-        else:  # the step being written counts as one of the kept (keep >= 2 with async)
-            keep = set(committed[-(self.keep - 1) :]) | {writing}
-        if committed:
-            keep.add(committed[-1])  # the newest committed step, whatever else happens
-        removed = []
-        for step, name in sorted(dirs.items()):
-            if step in keep:
-                continue
-            try:
-                remove_checkpoint(self.store.child(name))
-                removed.append(step)
-            except OSError as exc:
-                log.warning("could not remove %s: %s", self.path(step), exc)
-        return removed
+        return self.step_root.retain(self.keep, writing=self._writing())
 
     def load_latest(self, model: nn.Module, optimizer: Muon | None) -> int | None:
         """Deprecated name of :meth:`resume`."""

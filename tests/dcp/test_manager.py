@@ -130,7 +130,7 @@ def two_steps_worker(rank, world, root):
     return dmuon.get_model_state_dict(model)
 
 
-def resume_worker(rank, world, root):
+def resume_or_fail_worker(rank, world, root):
     model, opt = build()
     before = dmuon.get_model_state_dict(model, rank0_only=False)
     manager = ddcp.CheckpointManager(root, keep=3)
@@ -165,7 +165,7 @@ def test_resume_raises_on_a_refused_step_instead_of_falling_back(tmp_path):
     root = tmp_path / "run"
     run_ranks(two_steps_worker, 2, str(root))
     refuse_metadata(root / "step-2")
-    for res in run_ranks(resume_worker, 2, str(root)):
+    for res in run_ranks(resume_or_fail_worker, 2, str(root)):
         assert res["error"].startswith("UnsafeCheckpointError") and "fractions.Fraction" in res["error"], res
         assert res["unchanged"]
 
@@ -174,10 +174,10 @@ def test_resume_skips_a_corrupted_step_and_raises_when_none_loads(tmp_path):
     root = tmp_path / "run"
     saved = run_ranks(two_steps_worker, 2, str(root))[0]
     flip_a_data_byte(root / "step-2")
-    res = run_ranks(resume_worker, 2, str(root))[0]
+    res = run_ranks(resume_or_fail_worker, 2, str(root))[0]
     assert res["step"] == 1 and "state" in res and max_abs_diff(res["state"], saved) > 0.0
     flip_a_data_byte(root / "step-1")
-    for res in run_ranks(resume_worker, 2, str(root)):
+    for res in run_ranks(resume_or_fail_worker, 2, str(root)):
         assert res["error"].startswith("NoLoadableCheckpointError"), res
         assert "step-1" in res["error"] and "step-2" in res["error"] and "checksum" in res["error"], res
 

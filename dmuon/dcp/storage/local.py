@@ -139,6 +139,20 @@ class LocalStore:
         if self.sync_files:
             self._sync_dir()
 
+    def settle(self, temporary_name: str, name: str) -> None:
+        """A file this directory received under ``temporary_name`` (written and verified by the
+        caller) made durable, then put in place under ``name`` atomically."""
+        temporary = self._path(temporary_name)
+        if self.sync_files:
+            fd = os.open(temporary, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        os.replace(temporary, self._path(name))
+        if self.sync_files:
+            self._sync_dir()
+
     def _sync_dir(self) -> None:
         with contextlib.suppress(OSError):
             fd = os.open(self.root, os.O_RDONLY)

@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import shutil
 import uuid
 from dataclasses import dataclass, field
 
@@ -36,9 +35,9 @@ from ..format.layout import (
     peer_dir_name,
     rank_of_data_file,
     step_dir_name,
-    step_of_dir,
 )
 from ..format.manifest import Manifest, decode_manifest
+from ..step_root import StepRoot
 from ..storage.base import temp_name
 from ..storage.local import LocalStore
 from ..storage.registry import is_remote
@@ -117,18 +116,12 @@ class LocalTier:
 
     @staticmethod
     def _steps_in(location: str) -> dict[int, str]:
-        out = {}
-        with contextlib.suppress(FileNotFoundError):
-            for entry in os.scandir(location):
-                step = step_of_dir(entry.name)
-                if step is not None and entry.is_dir():
-                    out[step] = entry.path
-        return out
+        return {step: os.path.join(location, name) for step, name in StepRoot(LocalStore(location)).dirs().items()}
 
     # -- what ---------------------------------------------------------------------------------
     def committed_steps(self) -> list[int]:
         """Steps this node's own directory has the commit of (whatever other nodes hold)."""
-        return sorted(s for s, path in self._steps_in(self.root).items() if os.path.exists(f"{path}/{METADATA}"))
+        return StepRoot(LocalStore(self.root)).committed()
 
     def holdings(self, node: int) -> Holdings:
         """Every whole data file and every readable commit under the root."""
@@ -184,53 +177,29 @@ class LocalTier:
     @staticmethod
     def settle(temporary: str, name: str) -> str:
         """fsync a received, verified file and rename it into place (then fsync the directory)."""
-        fd = os.open(temporary, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
         directory = os.path.dirname(temporary)
-        final = os.path.join(directory, name)
-        os.replace(temporary, final)
-        dir_fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
-        return final
+        LocalStore(directory).settle(os.path.basename(temporary), name)
+        return os.path.join(directory, name)
 
     def prepare_step_dir(self, step: int) -> str:
         """The own directory for a new save of ``step``: leftovers of a save that did not commit
         there are removed first (a committed one stays until the new one replaces it)."""
+        StepRoot(LocalStore(self.root)).clear_leftovers(step)
         path = self.step_dir(step)
-        if os.path.isdir(path) and not os.path.exists(f"{path}/{METADATA}"):
-            shutil.rmtree(path, ignore_errors=True)
         os.makedirs(path, exist_ok=True)
         return path
 
     # -- upkeep -------------------------------------------------------------------------------
-    @staticmethod
-    def remove_step(path: str) -> None:
-        """Un-commit first, then delete: an interrupted removal leaves an incomplete directory."""
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(os.path.join(path, METADATA))
-        shutil.rmtree(path, ignore_errors=True)
-
     def retain(self, keep: int, upto: int | None = None) -> list[str]:
         """Keep the newest ``keep`` committed steps of each location (own, every peer's) up to
         step ``upto``; remove older ones, and uncommitted directories older than the newest
         committed step (a crash left them). Steps after ``upto`` are not touched (a save of a
-        newer step may not be replicated yet). Returns what was removed."""
+        newer step may not be replicated yet), nor newer uncommitted ones (a replica may be
+        arriving). Returns what was removed."""
         removed = []
         for location in self._locations():
-            steps = {s: p for s, p in self._steps_in(location).items() if upto is None or s <= upto}
-            committed = sorted(s for s, p in steps.items() if os.path.exists(f"{p}/{METADATA}"))
-            if not committed:
-                continue
-            kept = set(committed[-keep:])
-            for step, path in sorted(steps.items()):
-                if step in kept or step > committed[-1]:
-                    continue
-                self.remove_step(path)
-                removed.append(path)
+            root = StepRoot(LocalStore(location))
+            names = root.dirs()
+            for step in root.retain(keep, upto=upto, newer_leftovers=False):
+                removed.append(os.path.join(location, names[step]))
         return removed

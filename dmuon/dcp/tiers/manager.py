@@ -29,9 +29,10 @@ from dataclasses import dataclass
 from torch import nn
 
 from ...optim.muon import Muon
+from ..agreement import decided
 from ..checkpointer import Checkpointer
 from ..deprecation import renamed, renamed_argument
-from ..errors import CheckpointError, StorageError
+from ..errors import StorageError
 from ..manager import CheckpointManager
 from .background import BackgroundWork
 from .local import CommitCopy, LocalTier
@@ -221,15 +222,14 @@ class TieredCheckpointManager:
         self.groups.barrier()
         os.makedirs(path, exist_ok=True)
         self.checkpointer.save(model, optimizer, path, extra=extra, overwrite=True)
-        offer: tuple[CommitCopy | None, str | None] = (None, None)
-        if self.groups.rank == 0:
-            try:
-                offer = (self.local.read_commit_copy(path), None)
-            except (CheckpointError, OSError) as exc:
-                offer = (None, f"{type(exc).__name__}: {exc}")
-        copy, problem = self.groups.broadcast(offer, 0)
-        if copy is None:
-            raise StorageError(f"{path}: step {step} committed, but its commit cannot be read back: {problem}")
+        copy = decided(
+            lambda: self.local.read_commit_copy(path),
+            0,
+            self.groups.rank,
+            self.groups.broadcast,
+            f"{path}: step {step} committed, but its commit cannot be read back",
+            StorageError,
+        )
         if self.layout.is_leader and self.layout.node != self.layout.node_of_rank[0]:
             LocalTier.write_commit_copy(path, copy)
         self.last_saved_step = step

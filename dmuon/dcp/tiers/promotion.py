@@ -11,9 +11,12 @@ checkpoint the newest one there.
 
 from __future__ import annotations
 
+import functools
+import logging
 import os
 from typing import BinaryIO
 
+from ..agreement import agree, decided
 from ..commit import commit
 from ..errors import CheckpointCorruptError, CheckpointExistsError, StorageError
 from ..format.layout import METADATA, data_file_name
@@ -27,6 +30,8 @@ from .local import CommitCopy, LocalTier
 from .nodes import NodeLayout, TierGroups
 
 __all__ = ["promote_step"]
+
+log = logging.getLogger(__name__)
 
 
 class _CopyingReader:
@@ -65,48 +70,45 @@ def promote_step(
     ``persistent``. False if that step is committed there already (nothing is written);
     raises :class:`StorageError` on every rank if any upload or the commit failed."""
     store = open_store(persistent.path(step), persistent.storage_options)
-    decision = None
-    if layout.rank == 0:
-        try:
-            files = store.list()
-            if METADATA in files:
-                decision = "committed"
-            else:
-                if files:  # an earlier promotion of this step died: start afresh
-                    store.remove_tree()
-                store.makedirs()
-                decision = "go"
-        except Exception as exc:
-            decision = f"{type(exc).__name__}: {exc}"
-    decision = groups.broadcast(decision, 0, background=True)
-    if decision == "committed":
+
+    def start() -> bool:
+        """True to promote; False when the step is committed there already."""
+        files = store.list()
+        if METADATA in files:
+            return False
+        if files:  # an earlier promotion of this step died: start afresh
+            store.remove_tree()
+        store.makedirs()
+        return True
+
+    where = f"promoting step {step} to {store.url}"
+    broadcast = functools.partial(groups.broadcast, background=True)
+    if not decided(start, 0, layout.rank, broadcast, where, StorageError):
         return False
-    if decision != "go":
-        raise StorageError(f"promoting step {step} to {store.url}: {decision}")
     manifest = copy.manifest()
     mine = data_file_name(layout.rank, manifest.save_id)
-    problem = None
+    problem: Exception | None = None
     if mine in manifest.files:
         try:
             _upload(store, os.path.join(tier.step_dir(step), mine), mine, manifest.files[mine], manifest.checksum)
         except Exception as exc:
-            problem = f"{type(exc).__name__}: {exc}"
-    problems = groups.all_gather(problem, background=True)
-    failed = {r: p for r, p in enumerate(problems) if p}
-    if failed:
-        detail = "; ".join(f"rank {r}: {p}" for r, p in sorted(failed.items()))
-        raise StorageError(f"promoting step {step} to {store.url} failed (not committed): {detail}")
-    outcome = None
-    if layout.rank == 0:
+            problem = exc
+    agree(
+        problem,
+        functools.partial(groups.all_gather, background=True),
+        f"{where} failed (not committed)",
+        StorageError,
+    )
+
+    def commit_here() -> None:
         try:
             commit(store, manifest, copy.metadata_bytes, overwrite=False, replaced=set())
-            outcome = "committed"
-            persistent.clean_up()
         except CheckpointExistsError:
-            outcome = "committed"  # another job promoted it first; its copy stands
-        except Exception as exc:
-            outcome = outcome or f"{type(exc).__name__}: {exc}"
-    outcome = groups.broadcast(outcome, 0, background=True)
-    if outcome != "committed":
-        raise StorageError(f"promoting step {step} to {store.url}: the commit failed: {outcome}")
+            return  # another job promoted it first; its copy stands
+        try:
+            persistent.clean_up()
+        except Exception as exc:  # committed all the same: retention runs again next time
+            log.warning("promoted step %d, but retention in %s failed: %s", step, persistent.root, exc)
+
+    decided(commit_here, 0, layout.rank, broadcast, f"{where}: the commit failed", StorageError)
     return True

@@ -13,8 +13,10 @@ manifest and ``.metadata`` beside them.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 
+from ..agreement import agree
 from ..errors import StorageError
 from ..format.layout import data_file_name
 from ..format.verified_read import verify_stream
@@ -53,11 +55,12 @@ def replicate_step(
     problem = send.error if send is not None else None
     if recv is not None:
         problem = problem or _settle(recv, theirs, commit)
-    problems = groups.all_gather(problem, background=True)
-    failed = {r: p for r, p in enumerate(problems) if p}
-    if failed:
-        detail = "; ".join(f"rank {r}: {p}" for r, p in sorted(failed.items()))
-        raise StorageError(f"replicating step {step} to the next node failed: {detail}")
+    agree(
+        problem,
+        functools.partial(groups.all_gather, background=True),
+        f"replicating step {step} to the next node failed",
+        StorageError,
+    )
     if layout.is_leader:
         LocalTier.write_commit_copy(source_dir, commit)
     return recv.bytes_received if recv is not None else 0

@@ -30,8 +30,8 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from ...optim.muon import Muon
 from .. import api
-from ..app_state import AppState
-from ..checkpointer import extra_template
+from ..agreement import agree, decided
+from ..checkpointer import load_state
 from ..errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -40,7 +40,7 @@ from ..errors import (
     NoLoadableCheckpointError,
     UnsafeCheckpointError,
 )
-from ..format.layout import EXTRA_SECTION, METADATA
+from ..format.layout import METADATA
 from ..format.safe_metadata import load_metadata_bytes
 from ..load_planner import DMuonLoadPlanner
 from ..manager import CheckpointManager
@@ -123,10 +123,7 @@ def planned_reads(
 ) -> dict[str, list[tuple[int, int]]]:
     """The byte ranges, per data file, that loading ``metadata``'s checkpoint into this rank's
     model and optimizer reads: the load is planned (as ``api.load`` plans it), not run."""
-    state = AppState(model, optimizer).state_dict()
-    extra = extra_template(metadata)
-    if extra:
-        state[EXTRA_SECTION] = extra
+    _, state = load_state(model, optimizer, metadata)
     planner = DMuonLoadPlanner(cast_dtypes=cast_dtypes)
     planner.set_up_planner(state, metadata, False)
     reads: dict[str, list[tuple[int, int]]] = defaultdict(list)
@@ -194,39 +191,27 @@ def _build_view(view: str, candidate: Candidate, held: Holdings, copy: CommitCop
     store.put(METADATA, copy.metadata_bytes)
 
 
-def _symmetric(groups: TierGroups, problem: str | None, what: str, error=CheckpointCorruptError) -> None:
-    """Raise on every rank when any rank had a problem (collective)."""
-    problems = {r: p for r, p in enumerate(groups.all_gather(problem)) if p}
-    if problems:
-        raise error(f"{what}: " + "; ".join(f"rank {r}: {p}" for r, p in sorted(problems.items())))
-
-
 def _restore_local(ctx: TierContext, candidate: Candidate, held: Holdings, model, optimizer, report) -> dict:
     groups, layout, tier = ctx.groups, ctx.layout, ctx.tier
     step = candidate.step
     assert candidate.commit_node is not None and candidate.save_id is not None
     source = layout.leader(candidate.commit_node)
-    offer: tuple[CommitCopy | None, str | None] = (None, None)
-    if layout.rank == source:
-        try:
-            offer = (tier.read_commit_copy(held.commit_dirs[(step, candidate.save_id)]), None)
-        except (CheckpointError, OSError) as exc:
-            offer = (None, f"{type(exc).__name__}: {exc}")
-    copy, problem = groups.broadcast(offer, source)
-    if copy is None:
-        where = f"step {step}: the commit on node {candidate.commit_node}"
-        raise CheckpointCorruptError(f"{where} is unreadable: {problem}")
+    key = (step, candidate.save_id)
+    copy = decided(
+        lambda: tier.read_commit_copy(held.commit_dirs[key]),
+        source,
+        layout.rank,
+        groups.broadcast,
+        f"step {step}: the commit on node {candidate.commit_node} is unreadable",
+        CheckpointCorruptError,
+    )
     metadata = load_metadata_bytes(copy.metadata_bytes, f"step {step} ({LOCAL} tier)")
     mine: CheckpointError | None = None
     try:
         reads = planned_reads(model, optimizer, metadata, ctx.cast_dtypes)
     except CheckpointError as exc:  # a wrong model: every rank finds the same problems
         reads, mine = {}, exc
-    problems = [p for p in groups.all_gather(None if mine is None else str(mine)) if p is not None]
-    if mine is not None:
-        raise mine
-    if problems:
-        raise CheckpointMismatchError(problems)
+    agree(mine, groups.all_gather, f"step {step} does not fit the model", CheckpointMismatchError)
     fetches = _plan_fetches(candidate, layout, groups.all_gather(reads))
     view = tier.view_dir()
     if layout.is_leader:
@@ -244,7 +229,7 @@ def _restore_local(ctx: TierContext, candidate: Candidate, held: Holdings, model
                 exchange(groups.control, recv=inc, chunk_bytes=ctx.chunk_bytes)
                 report.fetched_bytes += inc.bytes_received
                 problem = problem or inc.error
-        _symmetric(groups, problem, f"step {step}: fetching from other nodes failed", CheckpointIncompleteError)
+        agree(problem, groups.all_gather, f"step {step}: fetching from other nodes failed", CheckpointIncompleteError)
         # each rank reads its own plan from its node's view: a cooperative load would have one
         # rank read a region for others on other nodes, sending over the network bytes that
         # are already on their own disks (it pays off against object storage, not here)
