@@ -50,7 +50,8 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class PreemptionReport:
-    """What the step boundary after a preemption notice did (the same on every rank)."""
+    """What the step boundary after a preemption notice did: the same on every rank, the
+    message included (the times in it are agreed by all ranks)."""
 
     step: int
     saved: bool  # step ``step`` is committed in the local tier
@@ -291,24 +292,38 @@ class TieredCheckpointManager:
             return False
         left = -minus_left
         previous = self.last_saved_step
+        took = None
         if step == self.last_saved_step:
             saved, how = True, f"step {step} was already saved"
         elif estimate > left:
             saved = False
             how = (
-                f"step {step} NOT saved: the last local save took {estimate:.1f} s and {max(left, 0):.1f} s are "
-                f"left before the deadline; the newest checkpoint, step {previous}, is intact"
+                f"step {step} NOT saved: the last local save took {estimate:.1f} s, more than the time left; "
+                f"the newest checkpoint, step {previous}, is intact"
             )
         else:
             self._in_background(step, self._save_local(step, model, optimizer, extra), promote=False)
-            saved, how = True, f"step {step} saved to the local tier in {self.last_save_seconds:.1f} s"
+            saved, took = True, self.last_save_seconds
         spent = time.monotonic() - boundary
         replicated = self.background.wait(None if math.isinf(left) else max(0.0, left - spent))
+        # every rank reports the same: the slowest rank's save, replicated only where all are
+        slowest, not_replicated = self.groups.all_reduce_max([took or 0.0, float(not replicated)])
+        replicated = not not_replicated
+        if took is not None:
+            how = f"step {step} saved to the local tier in {slowest:.1f} s"
         if saved and len(self.layout.nodes) > 1 and self.replicate:
             how += "; replicated to the next node" if replicated else "; its replication did not finish in time"
-        late = "" if math.isinf(left) else f" ({left:.1f} s were left before the deadline)"
-        message = f"preemption notice at step {step}{late}: {how}"
+        message = f"preemption notice at step {step}{_time_left(left)}: {how}"
         if self.groups.rank == 0:
             print(f"dmuon: {message}", file=sys.stderr, flush=True)
         self.last_preemption = PreemptionReport(step, saved, replicated, left, message)
         return True
+
+
+def _time_left(left: float) -> str:
+    """The one figure of the time left that a preemption report gives, said once."""
+    if math.isinf(left):
+        return ""
+    if left < 0:
+        return f" (the deadline had passed {-left:.1f} s before)"
+    return f" ({left:.1f} s were left before the deadline)"

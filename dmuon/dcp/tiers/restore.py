@@ -72,13 +72,14 @@ class Candidate:
 
 @dataclass
 class RestoreReport:
-    """What a restore did, on this rank."""
+    """What a restore did. ``step``, ``source`` and ``skipped`` are the same on every rank
+    (every rank agrees on each candidate); ``fetched_bytes`` and ``seconds`` are this rank's."""
 
     step: int | None = None
     source: str | None = None  # LOCAL or PERSISTENT
     fetched_bytes: int = 0  # received from other nodes by this rank
     skipped: list[str] = field(default_factory=list)  # candidates tried first, and why they failed
-    seconds: float = 0.0
+    seconds: float = 0.0  # this rank's wall time in the restore
 
 
 @dataclass

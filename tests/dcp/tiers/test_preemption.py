@@ -59,6 +59,8 @@ def test_sigterm_during_an_async_save_finishes_it_and_then_saves_at_the_step_bou
     for r in res:  # every rank agreed at the boundary, and step 2 is saved
         assert r["stop"] and r["report"].saved and r["report"].replicated and r["steps"] == [2]
         assert r["handler_after_close"] == signal.SIG_DFL
+    assert res[0]["report"] == res[1]["report"]  # the same report on every rank, message included
+    assert "saved to the local tier in" in res[0]["report"].message
 
 
 def deadline_worker(rank, world, base):
@@ -85,3 +87,6 @@ def test_a_save_that_cannot_meet_the_deadline_is_not_started_and_says_so(tmp_pat
         assert r["stop"] and not r["report"].saved, r["report"]
         assert "step 3 NOT saved" in r["report"].message and "step 2, is intact" in r["report"].message
         assert r["steps"] == [2]
+    assert res[0]["report"] == res[1]["report"]  # the same report on every rank, message included
+    message = res[0]["report"].message
+    assert message.count(" s were left") + message.count("had passed") == 1, message  # one figure of time left
