@@ -1,21 +1,29 @@
-"""dmuon: Muon on FSDP2 with owner-dedicated parameters, and sharded DCP checkpoints."""
+"""dmuon: Muon on FSDP2 with owner-dedicated parameters, and sharded DCP checkpoints.
 
-from . import exit_guard
-from .dedicate import dedicate_params
-from .dedicated import wait_all_replicate_broadcasts
-from .deferred_init import MetaDeviceError
-from .optim import Muon
-from .state_dict import (
-    StateDictError,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
+The public names below are imported when first used (:mod:`dmuon.lazy`): ``import dmuon`` alone
+imports neither torch nor the runtime, so that ``dmuon-ckpt --help`` answers at once. The first
+one used installs the exit guard (an async save in flight at teardown is finished or reported,
+``exit_guard.py``).
+"""
+
+from typing import TYPE_CHECKING, Any
+
+from . import lazy
 
 __version__ = "0.1.0"
 
-exit_guard.install()  # an async save in flight at teardown is finished or reported (exit_guard.py)
+#: public name -> the module it is imported from on first use
+PUBLIC = {
+    "MetaDeviceError": "dmuon.deferred_init",
+    "Muon": "dmuon.optim",
+    "StateDictError": "dmuon.state_dict",
+    "dedicate_params": "dmuon.dedicate",
+    "get_model_state_dict": "dmuon.state_dict",
+    "get_optimizer_state_dict": "dmuon.state_dict",
+    "set_model_state_dict": "dmuon.state_dict",
+    "set_optimizer_state_dict": "dmuon.state_dict",
+    "wait_all_replicate_broadcasts": "dmuon.dedicated",
+}
 
 __all__ = [
     "MetaDeviceError",
@@ -29,3 +37,24 @@ __all__ = [
     "set_optimizer_state_dict",
     "wait_all_replicate_broadcasts",
 ]
+
+if TYPE_CHECKING:  # what type checkers and IDEs see; at run time, __getattr__ imports them
+    from .dedicate import dedicate_params
+    from .dedicated import wait_all_replicate_broadcasts
+    from .deferred_init import MetaDeviceError
+    from .optim import Muon
+    from .state_dict import (
+        StateDictError,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+
+def __getattr__(name: str) -> Any:
+    return lazy.load(globals(), name, PUBLIC)
+
+
+def __dir__() -> list[str]:
+    return lazy.public_dir(globals(), PUBLIC)
