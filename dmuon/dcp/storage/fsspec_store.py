@@ -12,15 +12,16 @@ from __future__ import annotations
 import builtins
 import contextlib
 import errno
+import functools
 import logging
 import os
-from collections.abc import Iterator
-from typing import Any, BinaryIO, cast
+from collections.abc import Callable, Iterator
+from typing import Any, BinaryIO, TypeVar, cast
 
 import fsspec
 
 from .base import checked_name
-from .retry import RetryPolicy, endpoint_unreachable, exception_chain
+from .retry import RetryPolicy, endpoint_unreachable, exception_chain, storage_errors
 from .s3_transfer import S3ParallelReader, S3ParallelWriter
 
 __all__ = ["S3_REQUEST_RETRIES", "FsspecStore", "open_fsspec_store"]
@@ -28,11 +29,22 @@ __all__ = ["S3_REQUEST_RETRIES", "FsspecStore", "open_fsspec_store"]
 log = logging.getLogger(__name__)
 
 
-def _quiet_gcsfs_probe() -> None:
-    """gcsfs >= 2026 probes a gRPC API on first use unless told not to; against emulators and
-    many private endpoints that stalls every call for minutes. Set before gcsfs is imported,
-    only for ``gs://`` stores, and never over the user's own setting."""
-    os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+# gcsfs's own setting: when it is not given, gcsfs >= 2026 (on import) picks a client that probes
+# a gRPC API on first use, which against emulators and many private endpoints stalls every call
+# for minutes
+GCSFS_GRPC_VARIABLE = "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"
+
+
+def _filesystem(url: str, options: dict) -> tuple[Any, str]:
+    """fsspec's filesystem for ``url``, and the path on it. For ``gs://``, gcsfs's plain JSON-API
+    client unless the user set ``GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT`` themselves: chosen here, for
+    this store, instead of writing the setting into the process's environment."""
+    if url.split("://", 1)[0] in ("gs", "gcs") and os.environ.get(GCSFS_GRPC_VARIABLE) is None:
+        from gcsfs.core import GCSFileSystem
+
+        fs = GCSFileSystem(**{**GCSFileSystem._get_kwargs_from_urls(url), **options})
+        return fs, GCSFileSystem._strip_protocol(url)
+    return fsspec.core.url_to_fs(url, **options)
 
 
 READ_BLOCK = 32 * 2**20
@@ -107,16 +119,37 @@ def _bounded_s3_retries(url: str, options: dict) -> dict:
     return {**options, "config_kwargs": config}
 
 
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _client_errors(what: str) -> Callable[[F], F]:
+    """A store method whose client's own exceptions come out as a ``StorageError`` naming the
+    store's URL (and the file, for a method given one first) and ``what`` was done."""
+
+    def decorate(method: F) -> F:
+        @functools.wraps(method)
+        def wrapper(self: FsspecStore, *args: Any, **kwargs: Any) -> Any:
+            where = f"{self.url}/{args[0]}" if args and isinstance(args[0], str) else self.url
+            with storage_errors(where, what):
+                return method(self, *args, **kwargs)
+
+        return cast(F, wrapper)
+
+    return decorate
+
+
 class FsspecStore:
-    """Any fsspec filesystem. Objects appear whole on close; fsync would add nothing there."""
+    """Any fsspec filesystem. Objects appear whole on close; fsync would add nothing there.
+
+    Every operation lets the client's own exceptions out as a ``StorageError`` naming the URL,
+    the original as its cause (``retry.storage_errors``); ``OSError``s pass as they are."""
 
     retry = RetryPolicy(attempts=4, backoff_s=0.5)
 
     def __init__(self, url: str, storage_options: dict | None = None) -> None:
-        if url.split("://", 1)[0] in ("gs", "gcs"):
-            _quiet_gcsfs_probe()
-        options = _unsigned_s3_payloads(url, _bounded_s3_retries(url, storage_options or {}))
-        fs, path = fsspec.core.url_to_fs(url, **options)
+        with storage_errors(url, "opening the store"):
+            options = _unsigned_s3_payloads(url, _bounded_s3_retries(url, storage_options or {}))
+            fs, path = _filesystem(url, options)
         self._attach(fs, path.rstrip("/"), url.rstrip("/"))
 
     def _attach(self, fs, root: str, url: str) -> None:
@@ -136,6 +169,7 @@ class FsspecStore:
     def _path(self, name: str) -> str:
         return f"{self.root}/{checked_name(name)}"
 
+    @_client_errors("creating the directory")
     def makedirs(self) -> None:
         # Object stores have no directories to create, and asking costs a request that, with
         # the endpoint down, adds a whole retry cycle before the error surfaces.
@@ -144,9 +178,11 @@ class FsspecStore:
         with contextlib.suppress(FileExistsError):
             self.fs.makedirs(self.root, exist_ok=True)
 
+    @_client_errors("listing")
     def is_dir(self) -> bool:
         return bool(self.list()) or self.fs.isdir(self.root)
 
+    @_client_errors("listing")
     def list(self) -> dict[str, int]:
         try:
             self.fs.invalidate_cache(self.root)
@@ -162,10 +198,12 @@ class FsspecStore:
     @contextlib.contextmanager
     def open_write(self, name: str) -> Iterator[BinaryIO]:
         path = self._path(name)
-        f: Any = S3ParallelWriter(self.fs, path) if self.parallel_s3 else self.fs.open(path, "wb")
+        with storage_errors(f"{self.url}/{name}", "opening for writing"):
+            f: Any = S3ParallelWriter(self.fs, path) if self.parallel_s3 else self.fs.open(path, "wb")
         try:
             yield f
-            f.close()
+            with storage_errors(f"{self.url}/{name}", "writing"):
+                f.close()
         except BaseException as exc:
             # fsspec uploads whatever was buffered on close(); throw it away instead. With the
             # endpoint unreachable, asking it to abort or delete would only wait out the client's
@@ -183,6 +221,7 @@ class FsspecStore:
                     self.fs.rm_file(path)
             raise
 
+    @_client_errors("opening for reading")
     def open_read(self, name: str) -> BinaryIO:
         # Items are read in file order: a large read-ahead turns them into a few big GETs
         # instead of one request per item (gcsfs's default makes hundreds per file).
@@ -191,9 +230,11 @@ class FsspecStore:
             return cast(BinaryIO, S3ParallelReader(self.fs, path, self.fs.size(path)))
         return self.fs.open(path, "rb", block_size=READ_BLOCK, cache_type="readahead")
 
+    @_client_errors("reading")
     def read(self, name: str) -> bytes:
         return self.fs.cat_file(self._path(name))
 
+    @_client_errors("writing")
     def put(self, name: str, data: bytes, *, exclusive: bool = False) -> None:
         """One PUT: object stores make it appear whole or not at all.
 
@@ -230,16 +271,19 @@ class FsspecStore:
             pass
         raise FileExistsError(f"{path}: another writer committed first")
 
+    @_client_errors("deleting")
     def delete(self, name: str) -> None:
         with contextlib.suppress(FileNotFoundError):
             self.fs.rm_file(self._path(name))
 
+    @_client_errors("reading the time of")
     def modified(self, name: str) -> float:
         return self.fs.modified(self._path(name)).timestamp()
 
     def child(self, name: str) -> FsspecStore:
         return FsspecStore._on(self.fs, self._path(name), f"{self.url}/{checked_name(name)}")
 
+    @_client_errors("listing")
     def list_dirs(self) -> builtins.list[str]:
         try:
             self.fs.invalidate_cache(self.root)
@@ -253,6 +297,7 @@ class FsspecStore:
             if e.get("type") == "directory" and e["name"].rstrip("/") != root  # (an empty root lists itself)
         ]
 
+    @_client_errors("deleting")
     def remove_tree(self) -> None:
         with contextlib.suppress(FileNotFoundError):
             self.fs.rm(self.root, recursive=True)

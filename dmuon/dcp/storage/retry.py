@@ -9,6 +9,7 @@ says what was being done where.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import time
@@ -25,7 +26,7 @@ from ..errors import (
     UnsafeCheckpointError,
 )
 
-__all__ = ["RetryPolicy", "endpoint_unreachable", "exception_chain", "retrying"]
+__all__ = ["RetryPolicy", "endpoint_unreachable", "exception_chain", "retrying", "storage_errors"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -89,6 +90,34 @@ def endpoint_unreachable(exc: BaseException | None) -> bool:
     return any({cls.__name__ for cls in type(link).__mro__} & _CONNECTION_ERRORS for link in exception_chain(exc))
 
 
+# What a store operation lets through as it is: dmuon's own errors, the OS's (``FileNotFoundError``
+# and ``FileExistsError`` are answers of the Store protocol; a full disk and a refused
+# permission are decided on by type above) and programming errors. Everything else is a
+# client library's own exception (botocore's EndpointConnectionError, google-auth's, ...).
+_OWN_TYPES = (CheckpointError, OSError, TypeError, AttributeError, KeyError, AssertionError, NotImplementedError)
+
+
+@contextlib.contextmanager
+def storage_errors(url: str, what: str) -> Iterator[None]:
+    """Around a call into a storage client: its own exception types come out as a
+    :class:`StorageError` naming ``url`` and what was being done, the original as its cause,
+    so that a caller of any door catches one type and reads where it failed."""
+    try:
+        yield
+    except _OWN_TYPES:
+        raise
+    except Exception as exc:
+        raise StorageError(f"{url}: {what} failed: {type(exc).__name__}: {exc}") from exc
+
+
+def _client_error(exc: BaseException) -> BaseException | None:
+    """The client's exception :func:`storage_errors` wrapped in ``exc``, if it did."""
+    cause = exc.__cause__
+    if type(exc) is StorageError and cause is not None and not isinstance(cause, _OWN_TYPES):
+        return cause
+    return None
+
+
 def retrying(store: _Retried, what: str, fn: Callable[[], T], *, writing: bool = False) -> T:
     """Call ``fn``; again after a transient failure, as ``store.retry`` allows.
 
@@ -109,10 +138,13 @@ def retrying(store: _Retried, what: str, fn: Callable[[], T], *, writing: bool =
             # time before the user hears it.
             spent = time.monotonic() - started
             if attempt + 1 == attempts or out_of_space or endpoint_unreachable(exc):
-                if isinstance(exc, CheckpointError):
+                original = _client_error(exc) or exc
+                if isinstance(original, CheckpointError) or (original is not exc and attempts == 1):
                     raise
                 tries = f" after {attempt + 1} attempt(s) in {spent:.0f} s" if attempts > 1 else ""
-                raise StorageError(f"{store.url}: {what} failed{tries}: {type(exc).__name__}: {exc}") from exc
+                raise StorageError(
+                    f"{store.url}: {what} failed{tries}: {type(original).__name__}: {original}"
+                ) from original
             log.warning("%s: %s failed (%s: %s); retrying", store.url, what, type(exc).__name__, exc)
             time.sleep(store.retry.backoff_s * 2**attempt)
     raise AssertionError("unreachable")
