@@ -204,6 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     from .dcp import export, inspect
     from .dcp.cli import storage_options_from_pairs
     from .dcp.hf_config import MissingConfigWarning
+    from .dcp.storage.registry import absolute
 
     parser = argparse.ArgumentParser(prog="python -m dmuon.demo", description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=40)
@@ -215,10 +216,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not 0 < args.crash_at < args.steps or args.crash_at < args.save_every:
         parser.error("--crash-at must fall after the first checkpoint and before the last step")
-    args.storage_options = storage_options_from_pairs(args.storage_option)
-    base = args.checkpoint_dir.rstrip("/")
-    if "://" not in base:
-        base = os.path.abspath(base)
+    try:
+        args.storage_options = storage_options_from_pairs(args.storage_option)
+    except ValueError as exc:
+        parser.error(str(exc))
+    base = absolute(args.checkpoint_dir)
     args.run_dir = f"{base}/run-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
 
     with tempfile.TemporaryDirectory(prefix="dmuon-demo-") as out_dir:

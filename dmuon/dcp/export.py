@@ -34,7 +34,7 @@ from .hf_config import HFConfig, export_dtype, read_hf_config, warn_missing_conf
 from .progress import byte_progress
 from .reader import narrow_to
 from .storage.base import Store
-from .storage.registry import is_remote, open_store, split_location
+from .storage.registry import open_store, split_location, store_kind
 
 __all__ = [
     "ExportEntry",
@@ -209,18 +209,6 @@ def _shards(entries: list[ExportEntry], max_bytes: int) -> list[list[ExportEntry
     return shards
 
 
-# Schemes that name the same filesystem (s3fs, gcsfs) count as one kind of store.
-_SCHEME_ALIASES = {"s3a": "s3", "gcs": "gs"}
-
-
-def _store_kind(location: str) -> str:
-    """``""`` for a local path (``file://`` included), else the URL's scheme, aliases folded."""
-    if not is_remote(location):
-        return ""
-    scheme = location.split("://", 1)[0].lower()
-    return _SCHEME_ALIASES.get(scheme, scheme)
-
-
 def resolve_output_options(
     checkpoint_id: str | os.PathLike,
     output: str | os.PathLike,
@@ -237,7 +225,7 @@ def resolve_output_options(
     """
     if output_storage_options is not None:
         return output_storage_options
-    if _store_kind(os.fspath(checkpoint_id)) == _store_kind(os.fspath(output)):
+    if store_kind(os.fspath(checkpoint_id)) == store_kind(os.fspath(output)):
         return storage_options
     return None
 

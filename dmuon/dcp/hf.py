@@ -17,7 +17,7 @@ from .errors import CheckpointMismatchError
 from .format.layout import HF_INDEX_FILE, HF_SINGLE_FILE, METADATA
 from .format.safetensors_file import TensorLocation, hf_model_files, read_header, read_rows
 from .storage.base import Store
-from .storage.registry import open_store, split_location
+from .storage.registry import file_or_directory, open_store
 
 __all__ = ["is_safetensors_checkpoint", "load_safetensors", "safetensors_index"]
 
@@ -26,10 +26,7 @@ _SUFFIX = ".safetensors"
 
 def _directory_and_file(checkpoint_id: str | os.PathLike) -> tuple[str, str | None]:
     """(directory, file name) for a ``.safetensors`` file; (directory, None) for a directory."""
-    text = os.fspath(checkpoint_id).rstrip("/")
-    if text.endswith(_SUFFIX):
-        return split_location(text)
-    return text, None
+    return file_or_directory(checkpoint_id, _SUFFIX)
 
 
 def is_safetensors_checkpoint(checkpoint_id: str | os.PathLike, storage_options: dict | None = None) -> bool:

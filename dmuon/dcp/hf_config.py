@@ -22,7 +22,7 @@ import torch
 
 from .format.layout import HF_CONFIG_FILE, HF_GENERATION_CONFIG_FILE
 from .storage.base import Store
-from .storage.registry import open_store, split_location
+from .storage.registry import file_or_directory, open_store
 
 __all__ = [
     "DTYPE_FIELDS",
@@ -87,16 +87,13 @@ def read_hf_config(location: str | os.PathLike, storage_options: dict | None = N
     (opened with ``storage_options``). Raises ``FileNotFoundError`` or ``ValueError`` naming
     the file, so an export can stop before it writes a byte.
     """
-    text = os.fspath(location).rstrip("/")
-    if text.endswith(_JSON_SUFFIX):
-        directory, name = split_location(text)
-    else:
-        directory, name = text, HF_CONFIG_FILE
+    directory, given = file_or_directory(location, _JSON_SUFFIX)
+    name = given or HF_CONFIG_FILE
     store = open_store(directory, storage_options)
     where = f"{store.url}/{name}"
     files = store.list() if store.is_dir() else {}
     if name not in files:
-        hint = "" if text.endswith(_JSON_SUFFIX) else f" (a folder given as the config must hold {HF_CONFIG_FILE})"
+        hint = "" if given else f" (a folder given as the config must hold {HF_CONFIG_FILE})"
         raise FileNotFoundError(f"no HuggingFace config at {where}{hint}")
     document = _parse(store.read(name), where)
     generation = store.read(HF_GENERATION_CONFIG_FILE) if HF_GENERATION_CONFIG_FILE in files else None

@@ -20,10 +20,13 @@ from .local import open_local_store
 
 __all__ = [
     "StoreFactory",
+    "absolute",
+    "file_or_directory",
     "is_remote",
     "open_store",
     "register_store",
     "split_location",
+    "store_kind",
     "unregister_store",
 ]
 
@@ -76,3 +79,33 @@ def split_location(location: str | os.PathLike) -> tuple[str, str]:
         head, _, name = text.rpartition("/")
         return head, name
     return os.path.split(os.path.abspath(text))
+
+
+def absolute(location: str | os.PathLike) -> str:
+    """A local path made absolute (so that processes started elsewhere find it); a URL as it
+    is. Either without a trailing ``/``, ready for ``f"{location}/{name}"``."""
+    text = os.fspath(location).rstrip("/")
+    return text if _scheme(text) else os.path.abspath(text or "/")
+
+
+def file_or_directory(location: str | os.PathLike, suffix: str) -> tuple[str, str | None]:
+    """(its directory, its file name) when ``location`` names a file ending in ``suffix``;
+    (``location``, None) when it names a directory. A trailing ``/`` is dropped first."""
+    text = os.fspath(location).rstrip("/")
+    if text.endswith(suffix):
+        return split_location(text)
+    return text, None
+
+
+# schemes that name the same filesystem (s3fs, gcsfs) count as one kind of store
+_SCHEME_ALIASES = {"s3a": "s3", "gcs": "gs"}
+
+
+def store_kind(location: str | os.PathLike) -> str:
+    """``""`` for a local path (``file://`` included), else the URL's scheme, aliases folded:
+    two locations of one kind can take the same storage options."""
+    text = os.fspath(location)
+    if not is_remote(text):
+        return ""
+    scheme = _scheme(text).lower()
+    return _SCHEME_ALIASES.get(scheme, scheme)
