@@ -23,6 +23,8 @@ What is private, and why dmuon needs it:
   allow-listed unpickler must let through.
 * the state DCP's default planners keep (:func:`planner_flat_state` and the functions around
   it): dmuon's planners extend torch's and work on the flattened state dict torch built.
+* :data:`CREATE_WRITE_ITEMS`: DCP's checkpointable protocol, by which a plain planner handed a
+  dedicated parameter itself (or an AppState's layout) refuses before writing anything.
 * :func:`optimizer_load_state_dict_hooks`: ``Muon.load_state_dict`` loads in place (it keeps
   dtypes and skips entries of parameters this rank does not own) and runs the hooks users
   registered, which torch keeps in private attributes.
@@ -40,6 +42,7 @@ import torch
 
 __all__ = [
     "CHECKPOINT_WRAPPER_PREFIX",
+    "CREATE_WRITE_ITEMS",
     "CURRENT_DCP_VERSION",  # noqa: F822 - served by __getattr__
     "DCP_ASYNC_THREAD_PREFIX",
     "FSDP_PATCH_MODULE",
@@ -236,6 +239,18 @@ def state_dict_name(name: str) -> str:
 #: dmuon's exit guard waits for such threads before a process group is torn down.
 #: ``tests/core/test_compat.py`` starts a torch async save and finds its thread by this name.
 DCP_ASYNC_THREAD_PREFIX = "AsyncCheckpointExecutor"
+
+
+# ---------------------------------------------------------------------------------------------
+# DCP's checkpointable protocol: the method its planners ask an object for its write items
+# ---------------------------------------------------------------------------------------------
+#: ``planner_helpers._create_write_items`` asks any object of a state dict that has this
+#: attribute for its write items (DTensor implements it). dmuon sets it on every dedicated
+#: parameter (``dedicate.py``: a plain planner handed the parameter itself, whose data is a
+#: placeholder, refuses before writing) and on ``DedicatedLayout`` (``dcp/app_state.py``: the
+#: layout needs dmuon's planner). ``tests/core/test_compat.py`` checks that torch's default save
+#: planner still calls it.
+CREATE_WRITE_ITEMS = "__create_write_items__"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -119,9 +119,9 @@ def dedicate_params(
 
     def bind(param: nn.Parameter, rec: DedicatedParam) -> None:
         setattr(param, fsdp_patch.DEDICATED_ATTR, rec)
-        # DCP's checkpointable protocol: a plain planner handed this parameter itself (say,
-        # dict(model.named_parameters())) asks it for its write items; refuse before writing.
-        param.__create_write_items__ = refuse_placeholder_save  # type: ignore[attr-defined]
+        # DCP's checkpointable protocol (compat.py): a plain planner handed this parameter itself
+        # (say, dict(model.named_parameters())) asks it for its write items; refuse before writing.
+        setattr(param, compat.CREATE_WRITE_ITEMS, refuse_placeholder_save)
         registry.handles.append(param.register_post_accumulate_grad_hook(rec.reduce_grad))
 
     for fqn, param in selected:

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .. import compat
 from ..dedicated import DedicatedParam, get_registry
 from ..dedicated_state_dict import raw_state_dict
 from ..optim.muon import Muon, state_field_spec, state_fields
@@ -52,12 +53,17 @@ class DedicatedLayout:
     topology: tuple[int, int] = (1, 1)  # (replicate, shard) sizes at save
     order: list[str] = field(default_factory=list)  # the model section's keys, in model order
 
-    def __create_write_items__(self, fqn: str, obj: Any):
+    def refuse_plain_planner(self, fqn: str, obj: Any) -> list:
+        """DCP's checkpointable protocol (``compat.CREATE_WRITE_ITEMS``): a planner other than
+        dmuon's asks the layout for its write items; refuse before anything is written."""
         raise TypeError(
             f"{fqn!r} is dmuon's description of the dedicated tensors of an AppState: save it with "
             "planner=dmuon.dcp.DMuonSavePlanner() (and load with DMuonLoadPlanner()), or save "
             "model.state_dict() instead, which any planner writes correctly"
         )
+
+
+setattr(DedicatedLayout, compat.CREATE_WRITE_ITEMS, DedicatedLayout.refuse_plain_planner)
 
 
 def _entry(rec: DedicatedParam, shape, dtype: torch.dtype, aliases: tuple[str, ...] = ()) -> DedicatedEntry:

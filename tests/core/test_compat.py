@@ -159,8 +159,26 @@ def test_checkpoint_wrapper_prefix_is_in_parameter_names_and_not_in_state_dict_k
     assert [compat.state_dict_name(name) for name in names] == list(outer.state_dict())
 
 
+class _AsksForItsWriteItems:
+    """An object of a state dict that answers DCP's checkpointable protocol by its name."""
+
+    def __init__(self):
+        self.asked = []
+
+
+def test_torch_default_save_planner_asks_an_object_for_its_write_items_by_the_protocol_name():
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    thing = _AsksForItsWriteItems()
+    setattr(thing, compat.CREATE_WRITE_ITEMS, lambda fqn, obj: thing.asked.append((fqn, obj)) or [])
+    planner = DefaultSavePlanner()
+    planner.set_up_planner({"probe": thing, "w": torch.ones(2)}, is_coordinator=True)
+    planner.create_local_plan()
+    assert thing.asked == [("probe", thing)]
+
+
 def test_compat_names_are_all_exercised():
-    tested = {"CHECKPOINT_WRAPPER_PREFIX", "state_dict_name", "StorageInfo", "DCP_ASYNC_THREAD_PREFIX", "CURRENT_DCP_VERSION", "set_element", "rebuild_tensor", "storage_type_names",
+    tested = {"CHECKPOINT_WRAPPER_PREFIX", "CREATE_WRITE_ITEMS", "state_dict_name", "StorageInfo", "DCP_ASYNC_THREAD_PREFIX", "CURRENT_DCP_VERSION", "set_element", "rebuild_tensor", "storage_type_names",
               "FSDP_PATCH_MODULE", "FSDP_PATCH_TARGET", "state_dict_request", "StateDictRequest", "TorchCompatError",
               "missing_features", "require_all", "tree_flatten", "PICKLED_METADATA_GLOBALS", "planner_flat_state",
               "set_planner_flat_state", "planner_mappings", "planner_nested_state", "optimizer_load_state_dict_hooks"}
