@@ -33,8 +33,9 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from .. import compat, exit_guard
 from ..optim.muon import Muon
+from .agreement import decided
 from .app_state import AppState
-from .checkpoint import open_checkpoint
+from .checkpoint import CheckpointListing, open_checkpoint
 from .errors import CheckpointError, from_checkpoint_exception
 from .format.layout import EXTRA_SECTION
 from .gc_pause import paused_gc
@@ -43,6 +44,7 @@ from .load_planner import DMuonLoadPlanner
 from .plan_cache import SavePlanCache
 from .reader import DMuonStorageReader
 from .save_planner import DMuonSavePlanner
+from .storage.registry import open_store
 from .writer import DMuonStorageWriter
 
 __all__ = [
@@ -52,6 +54,7 @@ __all__ = [
     "extra_template",
     "load_state",
     "model_checkpointer",
+    "open_once",
     "run_checkpoint_op",
 ]
 
@@ -80,6 +83,31 @@ def extra_template(metadata: Metadata) -> dict:
             continue
         compat.set_element(template, path, value)
     return template.get(EXTRA_SECTION, {})
+
+
+def open_once(checkpoint_id: str | os.PathLike, storage_options: dict | None) -> CheckpointListing:
+    """Collective: rank 0 reads and checks the checkpoint's small files (the listing,
+    ``.metadata``, the manifest) and sends what it found to every rank, instead of every rank
+    reading them from storage: one read per load, not one per rank (what a job of thousands
+    of ranks asks of one object-store key at once). A failure there (missing, incomplete,
+    corrupt) is raised on every rank with its type."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return open_checkpoint(checkpoint_id, storage_options)
+
+    def opened() -> tuple:
+        listing = open_checkpoint(checkpoint_id, storage_options)
+        return listing.metadata, listing.manifest, listing.files, listing.manifest_file
+
+    def broadcast(obj: Any, src: int) -> Any:
+        box = [obj]
+        dist.broadcast_object_list(box, src=src)
+        return box[0]
+
+    metadata, manifest, files, manifest_file = decided(
+        opened, 0, dist.get_rank(), broadcast, f"opening {os.fspath(checkpoint_id)}"
+    )
+    store = open_store(checkpoint_id, storage_options)
+    return CheckpointListing(store, metadata, manifest, files=files, manifest_file=manifest_file)
 
 
 def load_state(model: nn.Module, optimizer: Muon | None, metadata: Metadata) -> tuple[AppState, dict]:
@@ -228,7 +256,7 @@ class Checkpointer:
                 raise ValueError("a safetensors checkpoint holds weights only: pass optimizer=None")
             load_safetensors(model, checkpoint_id, storage_options=options, strict=not allow_partial_load)
             return {}
-        listing = open_checkpoint(checkpoint_id, options)  # typed errors before any collective
+        listing = open_once(checkpoint_id, options)  # typed errors, the same on every rank
         app, state = load_state(model, optimizer, listing.metadata)
         reader = DMuonStorageReader(checkpoint_id, storage_options=options, listing=listing, cooperative=cooperative)
         planner = DMuonLoadPlanner(allow_partial_load=allow_partial_load, cast_dtypes=cast_dtypes)
