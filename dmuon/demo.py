@@ -167,9 +167,10 @@ PHASES = {"reference": _reference, "crashing": _crashing, "resumed": _resumed}
 
 
 def run(rank: int, world_size: int, port: int, phase: str, args: argparse.Namespace, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // world_size))
-    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=300))
+    # the rendezvous given to torch, not written into the process's environment
+    store = dist.TCPStore("127.0.0.1", port, world_size, is_master=rank == 0, timeout=timedelta(seconds=300))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=300))
     try:
         PHASES[phase](rank, world_size, args, out_dir)
     finally:

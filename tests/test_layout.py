@@ -246,3 +246,32 @@ def test_urls_and_paths_are_parsed_in_storage_alone():
             found[name] = hits
     assert {name: hits for name, hits in found.items() if name not in NOT_YET_MOVED} == {}
     assert sorted(NOT_YET_MOVED - set(found)) == [], "parsed in storage/ now: take them off NOT_YET_MOVED"
+
+
+# What the library writes into the process's environment: nothing (docs/architecture.md lists
+# what it reads). A setting meant for a client goes to that client as an argument.
+ENVIRONMENT_WRITE = re.compile(r"os\.environ(\[[^]]+\]\s*=(?!=)|\.(update|setdefault|pop|clear)\()|os\.putenv|os\.unsetenv")
+
+
+def test_the_library_writes_no_environment_variable():
+    found = {name: [f"{i}: {line.strip()}" for i, line in enumerate(path.read_text().splitlines(), 1)
+                    if ENVIRONMENT_WRITE.search(line)] for name, path in MODULES.items()}
+    assert {name: hits for name, hits in found.items() if hits} == {}
+
+
+def _environment_table() -> dict[str, list[str]]:
+    """docs/architecture.md's table of the variables dmuon reads: module -> variables."""
+    text = (ROOT / "docs" / "architecture.md").read_text().split("## Environment variables", 1)[1]
+    table: dict[str, list[str]] = {}
+    for row in re.findall(r"^\| (`[A-Z].*?) \| `([^`]+)` \|", text, re.M):
+        table.setdefault("dmuon." + row[1].removesuffix(".py").replace("/", "."), []).extend(re.findall(r"`(\w+)`", row[0]))
+    return table
+
+
+def test_every_environment_variable_read_is_in_the_table_with_its_module():
+    readers = {name for name, path in MODULES.items() if re.search(r"os\.environ|os\.getenv", path.read_text())}
+    table = _environment_table()
+    assert readers - set(table) == set(), "reads the environment, not in docs/architecture.md's table"
+    for name, variables in table.items():
+        source = MODULES[name].read_text()
+        assert [v for v in variables if v not in source] == [], name
