@@ -21,6 +21,13 @@ guards close those doors:
    the signal do what it did before (the previous handler, or the default: exit by the signal).
 
 What is tracked is visible (:func:`saves_in_flight`) and released with its owner (a weak set).
+Once the whole job's groups are destroyed (``destroy_process_group()`` without a group), each
+tracked owner that holds process groups of its own (an ``AsyncCheckpointer``'s gloo group, the
+tiers' two) is asked to drop them (``release_process_groups``), so that nothing of dmuon's keeps
+a dead group alive until the interpreter tears down (docs/reliability.md, "Exit status").
+
+The guard is installed by the first public name of ``dmuon`` or ``dmuon.dcp`` used
+(``lazy.py``) and by every background save dmuon starts (:func:`track`).
 """
 
 from __future__ import annotations
@@ -43,6 +50,7 @@ from .compat import DCP_ASYNC_THREAD_PREFIX
 
 __all__ = [
     "ExitGuardError",
+    "HoldsGroups",
     "InFlight",
     "guard_signals",
     "install",
@@ -68,6 +76,13 @@ class InFlight(Protocol):
         """Wait for the save in flight; None if it committed, else why not (never raises)."""
 
 
+class HoldsGroups(Protocol):
+    """What a tracked owner that keeps process groups of its own may offer besides."""
+
+    def release_process_groups(self) -> None:
+        """Drop every reference to the process groups it made (they are destroyed already)."""
+
+
 _tracked: weakref.WeakSet = weakref.WeakSet()
 _SIGNALS = (signal.SIGTERM, signal.SIGINT)
 _previous_handlers: dict[int, object] = {}
@@ -77,7 +92,9 @@ _handling_signal = False
 
 
 def track(owner: InFlight) -> None:
-    """Have the guards wait for ``owner``'s saves (kept until ``owner`` is garbage collected)."""
+    """Have the guards wait for ``owner``'s saves (kept until ``owner`` is garbage collected);
+    installs the guard first if nothing did yet."""
+    install()
     if _install_error is not None:
         raise ExitGuardError(_install_error)
     _tracked.add(owner)
@@ -124,6 +141,8 @@ def _guarded_destroy(original: Callable) -> Callable:
     def destroy_process_group(group=None):
         failures = _finish_all("destroy_process_group()")
         original(group)
+        if group is None:
+            _release_groups()
         if failures:
             raise ExitGuardError("\n".join(failures))
 
@@ -131,14 +150,26 @@ def _guarded_destroy(original: Callable) -> Callable:
     return destroy_process_group
 
 
+def _release_groups() -> None:
+    """Every tracked owner drops the process groups it made: the whole job's are gone now."""
+    for owner in list(_tracked):
+        release = getattr(owner, "release_process_groups", None)
+        if release is not None:
+            try:
+                release()
+            except Exception as exc:  # a teardown must not fail on this
+                log.warning("releasing the process groups of %r failed: %s", owner, exc)
+
+
 def install() -> None:
-    """Idempotent; made on ``import dmuon``. If torch no longer has the patched function, only
-    async saves are disabled, with an error naming it when one is started."""
+    """Idempotent; made by the first public name of ``dmuon`` or ``dmuon.dcp`` used, and by
+    :func:`track`. If torch no longer has the patched function, only async saves are disabled,
+    with an error naming it when one is started."""
     global _install_error
     import torch.distributed.distributed_c10d as c10d
 
     original = getattr(c10d, "destroy_process_group", None)
-    if getattr(original, _PATCHED, False):
+    if getattr(original, _PATCHED, False) or _install_error is not None:
         return
     if original is None or not callable(original) or getattr(dist, "destroy_process_group", None) is not original:
         _install_error = (
