@@ -1,0 +1,279 @@
+"""Scale simulator: what checkpoint coordination costs at 64 to 16,384 ranks, in one process.
+
+    python benchmarks/scale_sim.py [--models 8b 70b] [--meshes fsdp hsdp] [--worlds 64 256 1024]
+                                   [--extrapolate 4096 16384] [--full-load-max 128] [--json PATH]
+    python benchmarks/scale_sim.py --check-real [--real-worlds 8 32]
+
+For each model (Llama-like 8B and 70B: ``scale_sim_state.SPECS``, Muon on the hidden 2-D
+weights, which dmuon dedicates), mesh (FSDP2 1-D, or HSDP with shard groups of 8) and world
+size, it runs dmuon's planners, plan cache, writer (metadata, manifest, commit) and reader as
+they are in the tree, and torch's ``DefaultSavePlanner``/``DefaultLoadPlanner`` with torch's
+``FileSystemWriter``/``Reader`` on the same state as torch sees it (every tensor an FSDP2
+shard), with and without ``enable_plan_caching``, through DCP's protocol for N synthetic ranks
+(``scale_sim_protocol.py``). Per first save, steady save (the same layout saved again to a new
+directory by the same job) and load: bytes each rank sends and receives through DCP's object
+collectives, counted as pickled objects from or to the coordinator; the coordinator's CPU
+seconds (unpickling what it gathers, global planning, commit, pickling what it sends);
+``.metadata`` and manifest bytes; each rank's load-planning CPU.
+
+World sizes above ``--worlds`` are extrapolated (``--extrapolate``) from the two largest
+simulated ones with the growth they show (y ~ N^k); loads above ``--full-load-max`` ranks are
+sampled (each rank's load planning is itself O(N) per key, N ranks of it too slow here): the
+plans of a few ranks spread over the world, timed and sized, scaled to N.
+
+``--check-real`` runs the same tiny model on real gloo ranks (``scale_sim_real.py``), counts
+what the object collectives move there, and compares it with the simulator's counts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import pickle
+import shutil
+import sys
+import tempfile
+import time
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch.distributed.checkpoint as dcp  # noqa: E402
+from torch.distributed.checkpoint.planner import SavePlanner  # noqa: E402
+
+import dmuon.dcp as ddcp  # noqa: E402
+from dmuon.dcp.cooperative import share_of  # noqa: E402
+from dmuon.dcp.format.layout import METADATA  # noqa: E402
+from dmuon.dcp.storage.registry import register_store, unregister_store  # noqa: E402
+from scale_sim_protocol import LoadSide, Phase, SaveSide, SimulatedWorld, dmuon_results, local_load_plan  # noqa: E402
+from scale_sim_protocol import simulate_load, simulate_save, torch_results  # noqa: E402
+from scale_sim_state import SPECS, Call, Mesh, Model, spread, tally  # noqa: E402
+from scale_sim_store import SCHEME, SimStore  # noqa: E402
+
+METHODS = ("dmuon", "torch", "torch+cache")
+OPS = ("first save", "steady save", "load")
+
+
+def _clear_torch_caches() -> None:
+    """torch keeps plan caches in class attributes for the life of the process."""
+    for name in ("_cached_save_plan", "_cached_all_plans", "_cached_global_plan", "_cached_metadata",
+                 "_cached_final_save_plan"):
+        getattr(SavePlanner, name, {}).clear()
+
+
+def _torch_planner(caching: bool, rank: int) -> dcp.DefaultSavePlanner:
+    planner = dcp.DefaultSavePlanner(enable_plan_caching=caching)
+    planner._cached_plans_key = f"scale-sim-rank-{rank}"  # one process, N ranks: one cache each
+    return planner
+
+
+def run_method(method: str, model: Model, n: int, full_load_max: int, tmp: str) -> dict[str, Phase]:
+    """First save, steady save and load of ``model`` on ``n`` synthetic ranks by ``method``."""
+    world = SimulatedWorld(n)
+    out: dict[str, Phase] = {}
+    with world.installed():
+        if method == "dmuon":
+            layout = model.layout()
+            caches = [ddcp.SavePlanCache() for _ in range(n)]
+            urls = [f"{SCHEME}://{tmp}/save{i}" for i in range(2)]
+            for op, url in zip(OPS[:2], urls):
+                side = SaveSide(planner=lambda r: ddcp.DMuonSavePlanner(plan_cache=caches[r]),
+                                writer=lambda r, url=url: ddcp.DMuonStorageWriter(url),
+                                state=lambda r: model.state(r, layout), results=dmuon_results)
+                out[op], _ = simulate_save(world, side)
+                store = SimStore.at(url)
+                out[op].small_files = {name: len(data) for name, data in store.files.items()}
+            del caches
+            store = SimStore.at(urls[0])
+            start = time.process_time()
+            listing = ddcp.open_checkpoint(urls[0])  # what every rank reads and decodes first
+            open_cpu = time.process_time() - start
+            read = dict(store.bytes_read)
+            load = LoadSide(planner=lambda r: ddcp.DMuonLoadPlanner(),
+                            reader=lambda r: ddcp.DMuonStorageReader(urls[0], listing=listing),
+                            state=lambda r: model.state(r, layout),
+                            exchange=lambda plans: any(share_of(p) is not None for p in plans))
+            metadata = listing.metadata
+        else:
+            caching = method == "torch+cache"
+            _clear_torch_caches()
+            dirs = [os.path.join(tmp, f"torch{i}") for i in range(2)]
+            for op, path in zip(OPS[:2], dirs):
+                side = SaveSide(planner=lambda r: _torch_planner(caching, r),
+                                writer=lambda r, path=path: dcp.FileSystemWriter(path),
+                                state=model.state, results=lambda r, plan: torch_results(plan))
+                out[op], _ = simulate_save(world, side)
+                out[op].small_files = {METADATA: os.path.getsize(os.path.join(path, METADATA))}
+            _clear_torch_caches()
+            reader0 = dcp.FileSystemReader(dirs[0])
+            start = time.process_time()
+            metadata = reader0.read_metadata()
+            open_cpu = time.process_time() - start
+            read = {METADATA: os.path.getsize(os.path.join(dirs[0], METADATA))}
+            load = LoadSide(planner=lambda r: dcp.DefaultLoadPlanner(),
+                            reader=lambda r: dcp.FileSystemReader(dirs[0]), state=model.state,
+                            exchange=lambda plans: False)
+        out["load"] = simulate_load(world, load, metadata) if n <= full_load_max else sampled_load(world, load, metadata)
+        out["load"].small_files = {name: size * n for name, size in read.items()}  # every rank reads them
+        out["load"].extra["metadata_open_cpu"] = open_cpu
+    return out
+
+
+def sampled_load(world: SimulatedWorld, side: LoadSide, metadata) -> Phase:
+    """A load too large to plan on every rank: a few ranks' local plans, scaled to N (the
+    coordinator's global step is then not run, its CPU not known)."""
+    phase, n = Phase(), world.world
+    sizes, cpu = [], []
+    for rank in spread(n, 4):
+        plan, _, _, seconds = local_load_plan(world, side, rank, metadata)
+        sizes.append(len(pickle.dumps(plan)))
+        cpu.append(seconds)
+    mean = round(sum(sizes) / len(sizes))
+    phase.calls = [Call("gather", [mean] * n), Call("scatter", [mean] * n), Call("all_gather", [4] * n)]
+    phase.rank0_cpu = math.nan
+    phase.extra.update(rank_plan_cpu_max=max(cpu), rank_plan_cpu_mean=sum(cpu) / len(cpu), sampled=len(sizes))
+    return phase
+
+
+def summarize(phase: Phase, n: int) -> dict[str, Any]:
+    row: dict[str, Any] = dict(tally(phase.calls, n))
+    row.update(rank0_cpu=phase.rank0_cpu, small_files=phase.small_files, **phase.extra)
+    row["calls"] = [c.kind for c in phase.calls]
+    return row
+
+
+def simulate(models: list[str], meshes: list[str], worlds: list[int], full_load_max: int,
+             log=print) -> list[dict[str, Any]]:
+    """Every (model, mesh, N, method): its rows, one per operation."""
+    rows = []
+    register_store(SCHEME, SimStore.factory)
+    try:
+        for key in models:
+            for mesh_name in meshes:
+                for n in worlds:
+                    mesh = Mesh(n, 1 if mesh_name == "fsdp" else max(1, n // 8))
+                    for method in METHODS:
+                        model = Model(SPECS[key], mesh, dedicated=method == "dmuon")
+                        tmp = tempfile.mkdtemp(prefix="dmuon-scale-sim-")
+                        t0 = time.perf_counter()
+                        gc.collect()
+                        gc.disable()  # (collector pauses are noise here; dmuon's save pauses it too)
+                        try:
+                            phases = run_method(method, model, n, full_load_max, tmp)
+                        finally:
+                            gc.enable()
+                            shutil.rmtree(tmp, ignore_errors=True)
+                            SimStore.drop_all()
+                        for op, phase in phases.items():
+                            rows.append(dict(model=SPECS[key].name, mesh=mesh.label, mesh_kind=mesh_name, world=n,
+                                             method=method, op=op, measured=True, **summarize(phase, n)))
+                        log(f"  {SPECS[key].name} {mesh.label} N={n} {method}: {time.perf_counter() - t0:.1f} s")
+    finally:
+        unregister_store(SCHEME)
+    return rows
+
+
+NUMERIC = ("rank0_in", "rank0_out", "other_in_max", "other_out_max", "total", "wire_rank0_in", "rank0_cpu",
+           "rank_plan_cpu_max", "small_bytes")
+
+
+def extrapolate(rows: list[dict[str, Any]], targets: list[int]) -> list[dict[str, Any]]:
+    """Rows for world sizes not simulated: y = y2 * (N / N2)^k, k from the two largest simulated."""
+    for row in rows:
+        row["small_bytes"] = sum(row["small_files"].values())
+    out = []
+    groups: dict[tuple, list[dict[str, Any]]] = {}
+    for row in rows:
+        groups.setdefault((row["model"], row["mesh_kind"], row["method"], row["op"]), []).append(row)
+    for (model, mesh_kind, method, op), group in groups.items():
+        group.sort(key=lambda r: r["world"])
+        if len(group) < 2:
+            continue
+        a, b = group[-2], group[-1]
+        for n in targets:
+            if n <= b["world"]:
+                continue
+            new = dict(model=model, mesh_kind=mesh_kind, method=method, op=op, world=n, measured=False,
+                       mesh=Mesh(n, 1 if mesh_kind == "fsdp" else n // 8).label, small_files={})
+            for name in NUMERIC:
+                y1, y2 = a.get(name, math.nan), b.get(name, math.nan)
+                if not (y1 and y2) or any(map(math.isnan, (y1, y2))) or y1 <= 0 or y2 <= 0:
+                    new[name] = y2 if y1 == y2 else math.nan
+                    continue
+                k = math.log(y2 / y1) / math.log(b["world"] / a["world"])
+                new[name] = y2 * (n / b["world"]) ** k
+                new[f"{name}_k"] = k
+            out.append(new)
+    return out
+
+
+def _size(value: float) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "n/a"
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if value >= scale:
+            return f"{value / scale:.3g} {unit}"
+    return f"{value:.0f} B"
+
+
+def _secs(value: float) -> str:
+    return "n/a" if value is None or math.isnan(value) else f"{value:.3g} s"
+
+
+def tables(rows: list[dict[str, Any]]) -> str:
+    """One markdown table per operation; extrapolated rows marked with ≈."""
+    lines = []
+    for op in OPS:
+        lines.append(f"\n#### {op}\n")
+        head = ["model", "mesh", "N", "method", "into rank 0", "out of rank 0", "any other rank in / out",
+                "rank-0 CPU"]
+        head += ["small files read (N ranks)", "per-rank planning CPU"] if op == "load" else [".metadata + manifest"]
+        lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        for row in sorted((r for r in rows if r["op"] == op), key=lambda r: (r["model"], r["mesh_kind"], r["world"],
+                                                                           METHODS.index(r["method"]))):
+            mark = "" if row["measured"] else "≈ "
+            small = row.get("small_bytes", sum(row["small_files"].values()))
+            cells = [row["model"], row["mesh"], f"{mark}{row['world']:,}", row["method"], mark + _size(row["rank0_in"]),
+                     mark + _size(row["rank0_out"]),
+                     f"{mark}{_size(row['other_in_max'])} / {_size(row['other_out_max'])}",
+                     mark + _secs(row["rank0_cpu"]), mark + _size(small)]
+            if op == "load":
+                cells.append(mark + _secs(row.get("rank_plan_cpu_max", math.nan)))
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", default=["8b", "70b"], choices=sorted(SPECS))
+    parser.add_argument("--meshes", nargs="+", default=["fsdp", "hsdp"], choices=["fsdp", "hsdp"])
+    parser.add_argument("--worlds", nargs="+", type=int, default=[64, 256, 1024])
+    parser.add_argument("--extrapolate", nargs="*", type=int, default=[4096, 16384])
+    parser.add_argument("--full-load-max", type=int, default=128)
+    parser.add_argument("--json", help="write every row here")
+    parser.add_argument("--check-real", action="store_true", help="compare with real gloo ranks (tiny model)")
+    parser.add_argument("--real-worlds", nargs="+", type=int, default=[8, 32])
+    args = parser.parse_args()
+    if args.check_real:
+        from scale_sim_real import check_real
+
+        report = check_real(args.real_worlds, simulate)
+        print(report["table"])
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(report, f, indent=1, default=str)
+        return
+    rows = simulate(args.models, args.meshes, args.worlds, args.full_load_max)
+    rows += extrapolate(rows, args.extrapolate)
+    print(tables(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    main()
