@@ -90,9 +90,11 @@ def run_method(method: str, model: Model, n: int, full_load_max: int, tmp: str) 
             del caches
             store = SimStore.at(urls[0])
             start = time.process_time()
-            listing = ddcp.open_checkpoint(urls[0])  # what every rank reads and decodes first
+            world.rank, world.calls = 0, []
+            listing = open_listing(urls[0])
             open_cpu = time.process_time() - start
-            read = dict(store.bytes_read)
+            opened_once = bool(world.calls)  # rank 0 read it and broadcast it: nobody else reads
+            read = {name: size if opened_once else size * n for name, size in store.bytes_read.items()}
             load = LoadSide(planner=lambda r: ddcp.DMuonLoadPlanner(),
                             reader=lambda r: ddcp.DMuonStorageReader(urls[0], listing=listing),
                             state=lambda r: model.state(r, layout),
@@ -113,14 +115,25 @@ def run_method(method: str, model: Model, n: int, full_load_max: int, tmp: str) 
             start = time.process_time()
             metadata = reader0.read_metadata()
             open_cpu = time.process_time() - start
-            read = {METADATA: os.path.getsize(os.path.join(dirs[0], METADATA))}
+            read = {METADATA: n * os.path.getsize(os.path.join(dirs[0], METADATA))}  # every rank's
             load = LoadSide(planner=lambda r: dcp.DefaultLoadPlanner(),
                             reader=lambda r: dcp.FileSystemReader(dirs[0]), state=model.state,
                             exchange=lambda plans: False)
         out["load"] = simulate_load(world, load, metadata) if n <= full_load_max else sampled_load(world, load, metadata)
-        out["load"].small_files = {name: size * n for name, size in read.items()}  # every rank reads them
+        out["load"].calls[:0] = world.calls
+        out["load"].small_files = read
         out["load"].extra["metadata_open_cpu"] = open_cpu
     return out
+
+
+def open_listing(url: str):
+    """How dmuon's Checkpointer.load opens a checkpoint: ``open_once`` (rank 0 reads the small
+    files and broadcasts them) where the tree has it, else ``open_checkpoint`` on every rank."""
+    try:
+        from dmuon.dcp.operation import open_once
+    except ImportError:
+        return ddcp.open_checkpoint(url)
+    return open_once(url, None)
 
 
 def sampled_load(world: SimulatedWorld, side: LoadSide, metadata) -> Phase:

@@ -7,8 +7,10 @@ Every step ``torch.distributed.checkpoint.save``/``load`` (torch 2.13: ``_save_s
 turn, with ``torch.distributed`` answering ``is_initialized``/``get_rank``/``get_world_size`` for
 that rank. Where DCP moves an object between ranks, it is pickled here (its size recorded as a
 :class:`Call`) and unpickled on the receiving side, so the coordinator works on copies, as a
-real one does. Any other ``torch.distributed`` collective that the code under test calls raises
-:class:`SimulatorGap`: a new collective is never silently left uncounted.
+real one does. A ``broadcast_object_list`` that dmuon's code calls on its source rank is
+recorded (``SimulatedWorld.calls``; the other ranks are given the same object by the caller);
+any other ``torch.distributed`` collective it calls raises :class:`SimulatorGap`: a new
+collective is never silently left uncounted.
 
 What cannot run without tensor data, the writing itself, is replaced by the write results it
 would return (:func:`dmuon_results`, :func:`torch_results`, mirroring ``writer.py`` and torch's
@@ -50,12 +52,19 @@ class SimulatedWorld:
 
     def __init__(self, world: int) -> None:
         self.world, self.rank = world, 0
+        self.calls: list[Call] = []  # broadcasts the code under test made from the current rank
+
+    def broadcast_object_list(self, object_list: list, src: int | None = None, group: Any = None, **kwargs: Any):
+        if (src or 0) != self.rank:
+            raise SimulatorGap("broadcast_object_list received on a rank the simulator does not drive")
+        self.calls.append(Call("broadcast", [len(pickle.dumps(obj)) for obj in object_list]))
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[SimulatedWorld]:
         names = {"is_initialized": lambda: True, "get_rank": lambda group=None: self.rank,
                  "get_world_size": lambda group=None: self.world}
-        for name in ("gather_object", "scatter_object_list", "broadcast_object_list", "all_gather_object",
+        names["broadcast_object_list"] = self.broadcast_object_list
+        for name in ("gather_object", "scatter_object_list", "all_gather_object",
                      "all_gather", "all_reduce", "broadcast", "barrier", "gather", "scatter", "new_group"):
             names[name] = _gap(name)
         saved = {name: getattr(dist, name) for name in names}
@@ -175,6 +184,7 @@ def simulate_save(world: SimulatedWorld, side: SaveSide) -> tuple[Phase, Any]:
     """One save by every rank; returns the phase and the committed metadata."""
     phase, n = Phase(), world.world
     clock = Timer(phase)
+    world.calls = []
     planners, writers, local = [], [], []
     for rank in range(n):  # local_step on every rank
         world.rank = rank
@@ -209,6 +219,7 @@ def simulate_save(world: SimulatedWorld, side: SaveSide) -> tuple[Phase, Any]:
         writers[0].finish(metadata=metadata, results=all_results)
         broadcast = pickle.dumps(metadata)
     phase.calls.append(Call("broadcast", [len(broadcast)]))
+    phase.calls += world.calls
     return phase, metadata
 
 
