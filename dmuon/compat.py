@@ -28,6 +28,8 @@ What is private, and why dmuon needs it:
 * :func:`optimizer_load_state_dict_hooks`: ``Muon.load_state_dict`` loads in place (it keeps
   dtypes and skips entries of parameters this rank does not own) and runs the hooks users
   registered, which torch keeps in private attributes.
+* ``default_store()``: the job's rendezvous store; after a collective failed, the surviving
+  ranks hold a roll call there to name the rank that stopped (``dcp/rank_failure.py``).
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ __all__ = [
     "StateDictRequest",
     "StorageInfo",  # noqa: F822 - served by __getattr__
     "TorchCompatError",
+    "default_store",  # noqa: F822 - served by __getattr__
     "missing_features",
     "optimizer_load_state_dict_hooks",
     "planner_flat_state",
@@ -109,6 +112,10 @@ _NEEDS = {
     ),
     "tree_flatten": _Need(
         "dedicate_params (dedicated weights re-broadcast before backward)", (("torch.utils._pytree", "tree_flatten"),)
+    ),
+    "default_store": _Need(
+        "naming the rank that stopped during a save or load (a roll call through the rendezvous store)",
+        (("torch.distributed.distributed_c10d", "_get_default_store"),),
     ),
     "_get_model_state_dict": _Need(
         "dedicated parameters under torch's get_model_state_dict / get_state_dict",

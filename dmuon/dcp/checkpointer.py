@@ -21,105 +21,30 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import time
-from typing import Any, cast
+from typing import cast
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-from .. import compat, exit_guard
+from .. import exit_guard
 from ..optim.muon import Muon
-from .agreement import decided
 from .app_state import AppState
-from .checkpoint import CheckpointListing, open_checkpoint
 from .errors import CheckpointError, from_checkpoint_exception
-from .format.layout import EXTRA_SECTION
 from .gc_pause import paused_gc
 from .hf import is_safetensors_checkpoint, load_safetensors
 from .load_planner import DMuonLoadPlanner
+from .operation import load_state, open_once, run_checkpoint_op
 from .plan_cache import SavePlanCache
+from .rank_failure import Phases
 from .reader import DMuonStorageReader
 from .save_planner import DMuonSavePlanner
-from .storage.registry import open_store
 from .writer import DMuonStorageWriter
 
-__all__ = [
-    "AsyncCheckpointer",
-    "Checkpointer",
-    "SaveHandle",
-    "extra_template",
-    "load_state",
-    "model_checkpointer",
-    "open_once",
-    "run_checkpoint_op",
-]
-
-
-def run_checkpoint_op(fn, *args, what: str, **kwargs):
-    """Call ``dcp.save``/``dcp.load``; turn torch's BaseException into a typed, catchable error."""
-    try:
-        return fn(*args, **kwargs)
-    except CheckpointException as exc:
-        raise from_checkpoint_exception(exc, what) from exc.failures[min(exc.failures)][0]
-
-
-def extra_template(metadata: Metadata) -> dict:
-    """Skeleton of the saved ``extra`` subtree, for DCP to fill in (keys come from the metadata)."""
-    template: dict = {}
-    mappings = metadata.planner_data or {}
-    for fqn, md in metadata.state_dict_metadata.items():
-        path = mappings.get(fqn)
-        if not path or path[0] != EXTRA_SECTION:
-            continue
-        if isinstance(md, TensorStorageMetadata):
-            value: Any = torch.empty(md.size, dtype=md.properties.dtype)
-        elif isinstance(md, BytesStorageMetadata):
-            value = None
-        else:  # pragma: no cover - future metadata kinds
-            continue
-        compat.set_element(template, path, value)
-    return template.get(EXTRA_SECTION, {})
-
-
-def open_once(checkpoint_id: str | os.PathLike, storage_options: dict | None) -> CheckpointListing:
-    """Collective: rank 0 reads and checks the checkpoint's small files (the listing,
-    ``.metadata``, the manifest) and sends what it found to every rank, instead of every rank
-    reading them from storage: one read per load, not one per rank (what a job of thousands
-    of ranks asks of one object-store key at once). A failure there (missing, incomplete,
-    corrupt) is raised on every rank with its type."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return open_checkpoint(checkpoint_id, storage_options)
-
-    def opened() -> tuple:
-        listing = open_checkpoint(checkpoint_id, storage_options)
-        return listing.metadata, listing.manifest, listing.files, listing.manifest_file
-
-    def broadcast(obj: Any, src: int) -> Any:
-        box = [obj]
-        dist.broadcast_object_list(box, src=src)
-        return box[0]
-
-    metadata, manifest, files, manifest_file = decided(
-        opened, 0, dist.get_rank(), broadcast, f"opening {os.fspath(checkpoint_id)}"
-    )
-    store = open_store(checkpoint_id, storage_options)
-    return CheckpointListing(store, metadata, manifest, files=files, manifest_file=manifest_file)
-
-
-def load_state(model: nn.Module, optimizer: Muon | None, metadata: Metadata) -> tuple[AppState, dict]:
-    """What a load of ``metadata``'s checkpoint fills in, built in one place for the loads and
-    for the tiers' planning of one: the model's and optimizer's state, and the skeleton of the
-    saved ``extra``; with the :class:`AppState` that puts it back."""
-    app = AppState(model, optimizer)
-    state = app.state_dict()
-    extra = extra_template(metadata)
-    if extra:
-        state[EXTRA_SECTION] = extra
-    return app, state
+__all__ = ["AsyncCheckpointer", "Checkpointer", "SaveHandle", "model_checkpointer"]
 
 
 class SaveHandle:
@@ -213,10 +138,18 @@ class Checkpointer:
         return self._in_flight
 
     def _write(self, state: dict, writer: DMuonStorageWriter, planner: DMuonSavePlanner, checkpoint_id) -> SaveHandle:
+        phases = Phases("planning")
+        writer.phases = phases
         try:
             with paused_gc():
                 run_checkpoint_op(
-                    dcp.save, state, storage_writer=writer, planner=planner, what=f"save to {checkpoint_id}"
+                    dcp.save,
+                    state,
+                    storage_writer=writer,
+                    planner=planner,
+                    what=f"save to {checkpoint_id}",
+                    phases=phases,
+                    consequence="nothing was committed",
                 )
         except BaseException:
             self.plan_cache.clear()  # every rank fails the same save: the caches stay in step
@@ -260,9 +193,17 @@ class Checkpointer:
         app, state = load_state(model, optimizer, listing.metadata)
         reader = DMuonStorageReader(checkpoint_id, storage_options=options, listing=listing, cooperative=cooperative)
         planner = DMuonLoadPlanner(allow_partial_load=allow_partial_load, cast_dtypes=cast_dtypes)
+        phases = Phases("planning")
+        reader.phases = phases
         with paused_gc():
             run_checkpoint_op(
-                dcp.load, state, storage_reader=reader, planner=planner, what=f"load from {checkpoint_id}"
+                dcp.load,
+                state,
+                storage_reader=reader,
+                planner=planner,
+                what=f"load from {checkpoint_id}",
+                phases=phases,
+                consequence="the model and optimizer may be partly loaded: load again",
             )
         app.load_state_dict(state)
         return app.loaded_extra

@@ -32,6 +32,7 @@ from .format.manifest import ItemChecksums
 from .format.tensor_bytes import tensor_memory
 from .host_staging import DeviceUploads
 from .node_identity import this_node
+from .rank_failure import Phases
 from .storage.base import ReadAheadStream, checked_name
 from .storage.registry import is_remote
 from .storage.retry import retrying
@@ -83,6 +84,7 @@ class DMuonStorageReader(StorageReader):
         self.listing = listing
         self.cooperative = cooperative
         self.process_group = process_group
+        self.phases: Phases | None = None  # told where this rank is (rank_failure.py)
         if checkpoint_id is not None:
             self.checkpoint_id = checkpoint_id
 
@@ -133,12 +135,16 @@ class DMuonStorageReader(StorageReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         # no autograd here: a DTensor's to_local() (what the planner resolves a shard with)
         # otherwise goes through an autograd function for every item
+        if self.phases is not None:
+            self.phases.enter("reading")
         with torch.no_grad():
             share = share_of(plan)
             if share is None:
                 self._read_items(plan.items, planner)
             else:
                 read_shared(plan, share, planner, self._read_items, self._stored_dtypes(), self.process_group)
+        if self.phases is not None:
+            self.phases.enter("waiting for the other ranks' reads (its own were done)")
         future: Future = Future()
         future.set_result(None)
         return future

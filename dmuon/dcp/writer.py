@@ -32,6 +32,7 @@ from .format.tensor_bytes import SLICE
 from .format.torch_file import TensorFrames, write_tensor_payload
 from .format.torch_zip import Placement
 from .host_staging import HostStaging
+from .rank_failure import Phases
 from .storage.base import BorrowingStream, Store
 from .storage.registry import open_store
 from .storage.retry import retrying
@@ -169,6 +170,7 @@ class DMuonStorageWriter(StorageWriter):
         self.sync_files = sync_files
         self.store: Store | None = None
         self.save_id: str | None = None
+        self.phases: Phases | None = None  # told where this rank is (rank_failure.py)
         if checkpoint_id is not None:
             self.reset(checkpoint_id)
 
@@ -211,6 +213,8 @@ class DMuonStorageWriter(StorageWriter):
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         info = plan.storage_data
         self.save_id = info["save_id"]
+        if self.phases is not None:
+            self.phases.enter("writing its data file")
         results: list[WriteResult] = []
         if plan.items:
             name = info["file"]
@@ -219,6 +223,8 @@ class DMuonStorageWriter(StorageWriter):
                 results = retrying(
                     store, f"writing {name}", lambda: self._write_file(name, plan.items, planner), writing=True
                 )
+        if self.phases is not None:
+            self.phases.enter("waiting for the other ranks' writes and the commit (its own bytes were written)")
         future: Future = Future()
         future.set_result(results)
         return future
@@ -252,6 +258,8 @@ class DMuonStorageWriter(StorageWriter):
         return results
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        if self.phases is not None:
+            self.phases.enter("committing")
         store = self._store()
         files: dict[str, FileStats] = {}
         storage_data = {}

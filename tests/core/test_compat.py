@@ -178,7 +178,7 @@ def test_torch_default_save_planner_asks_an_object_for_its_write_items_by_the_pr
 
 
 def test_compat_names_are_all_exercised():
-    tested = {"CHECKPOINT_WRAPPER_PREFIX", "CREATE_WRITE_ITEMS", "state_dict_name", "StorageInfo", "DCP_ASYNC_THREAD_PREFIX", "CURRENT_DCP_VERSION", "set_element", "rebuild_tensor", "storage_type_names",
+    tested = {"default_store", "CHECKPOINT_WRAPPER_PREFIX", "CREATE_WRITE_ITEMS", "state_dict_name", "StorageInfo", "DCP_ASYNC_THREAD_PREFIX", "CURRENT_DCP_VERSION", "set_element", "rebuild_tensor", "storage_type_names",
               "FSDP_PATCH_MODULE", "FSDP_PATCH_TARGET", "state_dict_request", "StateDictRequest", "TorchCompatError",
               "missing_features", "require_all", "tree_flatten", "PICKLED_METADATA_GLOBALS", "planner_flat_state",
               "set_planner_flat_state", "planner_mappings", "planner_nested_state", "optimizer_load_state_dict_hooks"}

@@ -60,7 +60,7 @@ def verify_worker(rank, world, root, options, crashed):
     if rank == 0:
         manager.clean_up()
     return {"listed": listed, "refused": refused, "latest": latest, "state": state,
-            "dirs_after": sorted(manager._step_dirs())}
+            "dirs_after": sorted(manager.step_root.dirs())}
 
 
 @pytest.mark.slow

@@ -75,19 +75,21 @@ def _rank_main(fn, rank, world_size, port, args, kwargs, out_dir, env):
 
 
 def run_ranks(fn, world_size: int, *args, timeout: float = 90.0, env: dict | None = None,
-              grace: float = 5.0, daemon: bool = True, **kwargs):
+              grace: float = 5.0, daemon: bool = True, agent_store: bool = False, **kwargs):
     """Call ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` ranks; return results by rank.
 
     Once a rank fails, the others get ``grace`` seconds to report their own errors, then die.
     ``daemon=False`` lets ranks start processes of their own (killed all the same on timeout).
+    ``agent_store=True``: this process hosts the rendezvous store, as torchrun's agent does, so
+    that it outlives any rank (by default rank 0 hosts it).
     A job whose rank crashed natively runs once more (see the module docstring).
     """
     try:
-        return _run_once(fn, world_size, args, kwargs, timeout, env, grace, daemon)
+        return _run_once(fn, world_size, args, kwargs, timeout, env, grace, daemon, agent_store)
     except NativeCrash as crash:
         warnings.warn(f"native crash in a rank of {fn.__qualname__}; running the job once more:\n{crash}",
                       stacklevel=2)
-    return _run_once(fn, world_size, args, kwargs, timeout, env, grace, daemon)
+    return _run_once(fn, world_size, args, kwargs, timeout, env, grace, daemon, agent_store)
 
 
 def _tail(path: Path, limit: int = 4000) -> str:
@@ -95,11 +97,17 @@ def _tail(path: Path, limit: int = 4000) -> str:
     return text[-limit:]
 
 
-def _run_once(fn, world_size, args, kwargs, timeout, env, grace, daemon):
+def _run_once(fn, world_size, args, kwargs, timeout, env, grace, daemon, agent_store):
     import torch
 
     with tempfile.TemporaryDirectory(prefix="dmuon-ranks-") as out_dir:
         port = free_port()
+        store = None
+        if agent_store:
+            import torch.distributed as dist
+
+            store = dist.TCPStore("127.0.0.1", port, world_size, is_master=True, wait_for_workers=False)
+            env = {**(env or {}), "TORCHELASTIC_USE_AGENT_STORE": "True"}
         procs = [
             _CTX.Process(
                 target=_rank_main,
@@ -124,6 +132,7 @@ def _run_once(fn, world_size, args, kwargs, timeout, env, grace, daemon):
             if proc.is_alive():
                 proc.kill()
             proc.join(5)
+        del store  # the agent's store goes once every rank is gone
         errors = {
             rank: Path(out_dir, f"rank{rank}.err").read_text()
             for rank in range(world_size)

@@ -31,7 +31,6 @@ from torch.distributed.checkpoint.metadata import Metadata
 from ...optim.muon import Muon
 from .. import api
 from ..agreement import agree, decided
-from ..checkpointer import load_state
 from ..errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -44,6 +43,7 @@ from ..format.layout import METADATA
 from ..format.safe_metadata import load_metadata_bytes
 from ..load_planner import DMuonLoadPlanner
 from ..manager import CheckpointManager
+from ..operation import load_state
 from ..storage.local import LocalStore
 from .local import CommitCopy, Holdings, LocalTier
 from .nodes import NodeLayout, TierGroups

@@ -1,0 +1,60 @@
+"""A rank that dies during a save or a load: every other rank raises, within seconds, a dmuon
+error naming the rank and the phase; nothing is committed; no rank hangs (issue 35, item 5)."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+import dmuon.dcp as ddcp
+from tests.helpers import faults
+from tests.helpers.launch import RankFailed, run_ranks
+from tests.helpers.training import build, train
+
+WORLD = 8
+
+
+def dying_worker(rank, world, path, op, qualname, victim):
+    """The victim is SIGKILLed at ``qualname``; every survivor raises what it raises (the launch
+    helper reports each rank's traceback)."""
+    import torch.distributed as dist
+
+    model, opt = build()
+    train(model, opt, rank, world, range(1))
+    if op == "load":
+        ddcp.save(model, opt, path)
+        dist.barrier()
+    if rank == victim:
+        faults.on_call(qualname, faults.sigkill)
+    (ddcp.save if op == "save" else ddcp.load)(model, opt, path)
+
+
+@pytest.mark.parametrize("op,qualname,victim,phase,agent_store", [
+    ("save", "DMuonSavePlanner.create_local_plan", 3, "planning", True),
+    ("save", "DMuonStorageWriter._write_file", 5, "waiting for the other ranks' writes", True),
+    ("save", "DMuonStorageWriter.finish", 0, "waiting for the other ranks' writes", True),
+    ("save", "DMuonStorageWriter.finish", 0, "waiting for the other ranks' writes", False),
+    ("load", "DMuonStorageReader._read_items", 6, "waiting for the other ranks' reads", True),
+], ids=["save-planning", "save-writing", "save-commit-rank0", "save-commit-rank0-hosting-the-store", "load-reading"])
+def test_the_others_name_the_rank_that_died_and_the_phase(tmp_path, op, qualname, victim, phase, agent_store):
+    """As torchrun runs a job (the store in its agent), and rank 0 hosting the store itself."""
+    path = str(tmp_path / "ckpt")
+    with pytest.raises(RankFailed) as info:  # the victim's death fails the job...
+        run_ranks(dying_worker, WORLD, path, op, qualname, victim, timeout=120, grace=60,
+                  env={"DMUON_ROLL_CALL_S": "3"}, agent_store=agent_store)
+    text = str(info.value)
+    assert f"rank {victim}" in text, text
+    # ...and every survivor raised the dmuon error (the launch helper lists what each rank raised)
+    survivors = [r for r in range(WORLD) if r != victim]
+    for rank in survivors:
+        assert f"--- rank {rank} ---" in text and "RankStoppedError" in text, text
+    assert text.count("RankStoppedError") >= len(survivors), text
+    if not agent_store:  # rank 0 hosted the rendezvous store: it went with it
+        named = "the job's rendezvous store is unreachable, so the rank hosting it (rank 0"
+        assert text.count("the job's rendezvous store is unreachable") >= len(survivors), text
+    else:  # exactly the victim, on every survivor (one verdict, whoever failed first)
+        named = f"rank {victim} stopped while this rank was {phase}"
+        assert text.count(f"rank {victim} stopped while this rank was") >= len(survivors), text
+    assert phase in text and named.split(",")[0] in text, text
+    if op == "save":
+        assert not os.path.exists(os.path.join(path, ".metadata"))  # nothing committed
