@@ -14,9 +14,10 @@ the store so that every survivor, whenever it fails, reports the same ranks. Eac
 failure was something else, and the original error is raised unchanged. A store gone with its
 host (rank 0, in a job not started by torchrun) is said so.
 
-Cost in the normal path, per rank and operation: a thread, one blocking wait and one key set
-on the store; the operation's key names come from the default group's collective count,
-the same on every rank.
+Cost in the normal path, per rank and operation: a thread with its own store client, one
+blocking wait, one key set and deleted again (the store keeps nothing of a successful
+operation); the operation's key names come from the default group's collective count, the
+same on every rank.
 
 Nothing is committed in any of these cases: the commit needs every rank's write results, and
 ``.metadata`` is written last, by the coordinator, after they all arrived.
@@ -89,6 +90,8 @@ class RollCall:
             store.wait([mine])
             if store.get(mine) == _CALL:
                 store.set(f"{self.base}/here/{self.rank}", b"1")
+            else:  # the operation ended well: leave nothing behind in the store
+                store.delete_key(mine)
         except Exception:  # the store's timeout, or the store gone: nothing to answer
             return
 

@@ -58,3 +58,27 @@ def test_the_others_name_the_rank_that_died_and_the_phase(tmp_path, op, qualname
     assert phase in text and named.split(",")[0] in text, text
     if op == "save":
         assert not os.path.exists(os.path.join(path, ".metadata"))  # nothing committed
+
+
+def clean_worker(rank, world, path):
+    import time
+
+    import torch.distributed as dist
+
+    from dmuon import compat
+
+    model, opt = build()
+    store = compat.default_store()
+    dist.barrier()
+    before = store.num_keys()
+    for step in range(3):
+        ddcp.save(model, opt, f"{path}/{step}")
+        ddcp.load(model, opt, f"{path}/{step}")
+    time.sleep(0.5)  # the answering threads delete their keys as they go
+    dist.barrier()
+    return store.num_keys() - before
+
+
+def test_an_operation_that_ends_well_leaves_no_keys_in_the_store(tmp_path):
+    grown = run_ranks(clean_worker, 2, str(tmp_path), timeout=60)
+    assert grown[0] <= 2, grown  # (a barrier's own keys at most)
