@@ -22,7 +22,9 @@ PUBLIC = {
     "get_optimizer_state_dict": "dmuon.state_dict",
     "set_model_state_dict": "dmuon.state_dict",
     "set_optimizer_state_dict": "dmuon.state_dict",
+    "snapshot_window_closed": "dmuon.snapshot",
     "wait_all_replicate_broadcasts": "dmuon.dedicated",
+    "wait_for_snapshots": "dmuon.snapshot",
 }
 
 __all__ = [
@@ -35,7 +37,9 @@ __all__ = [
     "get_optimizer_state_dict",
     "set_model_state_dict",
     "set_optimizer_state_dict",
+    "snapshot_window_closed",
     "wait_all_replicate_broadcasts",
+    "wait_for_snapshots",
 ]
 
 if TYPE_CHECKING:  # what type checkers and IDEs see; at run time, __getattr__ imports them
@@ -43,6 +47,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time, __getattr__ i
     from .dedicated import wait_all_replicate_broadcasts
     from .deferred_init import MetaDeviceError
     from .optim import Muon
+    from .snapshot import snapshot_window_closed, wait_for_snapshots
     from .state_dict import (
         StateDictError,
         get_model_state_dict,

@@ -19,6 +19,7 @@ from torch import nn
 from . import compat, fsdp_patch
 from .dedicated import DedicatedRegistry, get_registry
 from .owner_transfer import from_global_owner
+from .snapshot import wait_for_snapshots
 
 __all__ = [
     "dedicated_value_problem",
@@ -111,6 +112,7 @@ def install_state_dict_hooks(model: nn.Module, registry: DedicatedRegistry) -> N
     excused: set[str] = set()
 
     def on_load(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs) -> None:
+        wait_for_snapshots(model)  # an async save still copying the masters this overwrites
         excused.clear()
         for rec in registry:
             rec.wait_replicate()

@@ -21,6 +21,7 @@ from .dedicated import DedicatedRegistry, get_registry
 from .dedicated_state_dict import raw_state_dict
 from .optim.muon import ADAMW_GROUP, MUON_GROUP, Muon, apply_hyperparameters, state_field_shape, state_fields
 from .owner_transfer import from_global_owner
+from .snapshot import wait_for_snapshots
 from .topology import current_rank as _rank
 
 __all__ = [
@@ -273,6 +274,7 @@ def set_model_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor
     Every problem is collected and raised in one :class:`StateDictError` before any tensor is
     written. With ``strict=False`` missing and unexpected keys are skipped; wrong shapes never are.
     """
+    wait_for_snapshots(model)  # an async save still copying this state
     _registry(model)  # drain before validating: nothing may race the writes below
     check_fits(model, {k: tuple(v.shape) for k, v in state_dict.items()}, strict=strict, what="set_model_state_dict")
 
@@ -340,6 +342,7 @@ def set_optimizer_state_dict(model: nn.Module, optimizer: Muon, state_dict: Mapp
 
     Takes the full dict on every rank; works whatever topology wrote it.
     """
+    wait_for_snapshots(model)
     optimizer = _check_optimizer(model, optimizer)
     registry = _registry(model)
     for section in ("fsdp2", "dedicated"):

@@ -29,9 +29,11 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
 from .. import exit_guard
 from ..optim.muon import Muon
+from ..snapshot import track_snapshot, wait_for_snapshots
 from .app_state import AppState
 from .errors import CheckpointError, from_checkpoint_exception
 from .gc_pause import paused_gc
@@ -50,8 +52,15 @@ __all__ = ["AsyncCheckpointer", "Checkpointer", "SaveHandle", "model_checkpointe
 class SaveHandle:
     """One save. A synchronous save's handle is done when ``save`` returns."""
 
-    def __init__(self, checkpoint_id: str | os.PathLike, future: concurrent.futures.Future) -> None:
+    def __init__(
+        self,
+        checkpoint_id: str | os.PathLike,
+        future: concurrent.futures.Future,
+        copied: concurrent.futures.Future | None = None,
+    ) -> None:
         self.checkpoint_id = checkpoint_id
+        #: done once the state at the call is in host memory (at once for a synchronous save)
+        self.copied = copied if copied is not None else future
         self.started = time.perf_counter()
         self.finished: float | None = None
         self.reported = False
@@ -134,10 +143,12 @@ class Checkpointer:
         state = AppState(model, optimizer, extra).state_dict()
         writer = DMuonStorageWriter(checkpoint_id, storage_options=options, overwrite=overwrite)
         planner = DMuonSavePlanner(plan_cache=self.plan_cache)
-        self._in_flight = self._write(state, writer, planner, checkpoint_id)
+        self._in_flight = self._write(state, writer, planner, checkpoint_id, model)
         return self._in_flight
 
-    def _write(self, state: dict, writer: DMuonStorageWriter, planner: DMuonSavePlanner, checkpoint_id) -> SaveHandle:
+    def _write(
+        self, state: dict, writer: DMuonStorageWriter, planner: DMuonSavePlanner, checkpoint_id, model: nn.Module
+    ) -> SaveHandle:
         phases = Phases("planning")
         writer.phases = phases
         try:
@@ -183,6 +194,7 @@ class Checkpointer:
         """
         self.wait()
         _finish_other_saves(model, self)
+        wait_for_snapshots(model)
         options = self.storage_options if storage_options is None else storage_options
         if is_safetensors_checkpoint(checkpoint_id, options):
             if optimizer is not None:
@@ -236,13 +248,14 @@ class Checkpointer:
 
 
 def _staging_options() -> StagingOptions:
-    """Pinned host memory where there is an accelerator to copy from; plain memory on CPU
-    (torch's defaults need an accelerator and fail on a CPU-only machine)."""
+    """The copy in a background thread (on a side stream into pinned host memory where there
+    is an accelerator, torch's stager keeping one host buffer per source storage, reused from
+    one save to the next); plain memory on CPU (torch's defaults need an accelerator)."""
     accelerator = torch.accelerator.is_available()
     return StagingOptions(
         use_pinned_memory=accelerator,
         use_shared_memory=False,
-        use_async_staging=False,
+        use_async_staging=True,
         use_non_blocking_copy=accelerator,
     )
 
@@ -282,20 +295,25 @@ class AsyncCheckpointer(Checkpointer):
             self._group = cast(dist.ProcessGroup, dist.new_group(backend="gloo"))
         return self._group
 
-    def _write(self, state: dict, writer: DMuonStorageWriter, planner: DMuonSavePlanner, checkpoint_id) -> SaveHandle:
+    def _write(
+        self, state: dict, writer: DMuonStorageWriter, planner: DMuonSavePlanner, checkpoint_id, model: nn.Module
+    ) -> SaveHandle:
         exit_guard.track(self)  # raises first if this torch cannot guard a save at teardown
         group = self._process_group()
         if self._stager is None:
             self._stager = DefaultStager(_staging_options())
         try:
-            future = dcp.async_save(
+            response = dcp.async_save(
                 state, storage_writer=writer, planner=planner, process_group=group, async_stager=self._stager
             )
         except BaseException:
-            self.plan_cache.clear()  # planning or staging failed on every rank
+            self.plan_cache.clear()  # starting failed on every rank
             raise
-        assert isinstance(future, concurrent.futures.Future)  # staging is synchronous here
-        handle = SaveHandle(checkpoint_id, future)
+        # the copy to host memory runs in the background (lazy snapshot, dmuon/snapshot.py):
+        # what would change the state in place (Muon.step, a load) waits for it first
+        assert isinstance(response, AsyncSaveResponse)
+        track_snapshot(model, response.staging_completion)
+        handle = SaveHandle(checkpoint_id, response.upload_completion, copied=response.staging_completion)
         exit_guard.guard_signals()
         return handle
 

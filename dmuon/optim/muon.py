@@ -27,6 +27,7 @@ from .. import compat
 from ..dedicated import DedicatedParam, get_registry
 from ..fsdp_patch import is_dedicated
 from ..owner_transfer import from_global_owner
+from ..snapshot import wait_for_snapshots
 from .newton_schulz import orthogonalize
 
 __all__ = [
@@ -317,6 +318,7 @@ class Muon(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        wait_for_snapshots(self.model)  # an async save's copy of the state at its call comes first
         if self.registry is not None:
             # A second step without a forward in between must not race the pending broadcast.
             self.registry.wait_all()
