@@ -289,6 +289,10 @@ class AsyncCheckpointer(Checkpointer):
             return str(exc)
         return None
 
+    def release_process_groups(self) -> None:
+        """The job's groups were destroyed (exit guard): drop the reference to this one."""
+        self._group = None
+
     def _process_group(self) -> dist.ProcessGroup | None:
         if self._group is None and dist.is_initialized():
             # every rank is a member, so never GroupMember.NON_GROUP_MEMBER (in torch 2.14's stubs)

@@ -19,7 +19,7 @@ from .errors import (
 )
 from .format.layout import step_dir_name
 from .step_root import StepRoot
-from .storage.registry import open_store
+from .storage.registry import open_store, root_location
 
 __all__ = ["CheckpointManager"]
 
@@ -65,7 +65,7 @@ class CheckpointManager:
             raise ValueError(
                 "with async_save, keep must be >= 2: the step being written cannot count as the only one kept"
             )
-        self.root = os.fspath(root).rstrip("/")
+        self.root = root_location(root)
         self.keep = keep
         self.async_save = async_save
         self.storage_options = storage_options

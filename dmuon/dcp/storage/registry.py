@@ -88,6 +88,21 @@ def absolute(location: str | os.PathLike) -> str:
     return text if _scheme(text) else os.path.abspath(text or "/")
 
 
+def root_location(location: str | os.PathLike) -> str:
+    """A directory or URL given as a root, without a trailing ``/``: ready for
+    ``f"{root}/{name}"`` (a relative local path stays relative, as the caller gave it)."""
+    return os.fspath(location).rstrip("/")
+
+
+def local_path(location: str | os.PathLike) -> str:
+    """A local location (a path, or a ``file://`` URL) as an absolute path; a URL of any other
+    scheme is refused (:class:`ValueError`)."""
+    text = os.fspath(location)
+    if is_remote(text):
+        raise ValueError(f"{text} is not a local path")
+    return os.path.abspath(text[len("file://") :] if text.startswith("file://") else text)
+
+
 def file_or_directory(location: str | os.PathLike, suffix: str) -> tuple[str, str | None]:
     """(its directory, its file name) when ``location`` names a file ending in ``suffix``;
     (``location``, None) when it names a directory. A trailing ``/`` is dropped first."""

@@ -40,7 +40,7 @@ from ..format.manifest import Manifest, decode_manifest
 from ..step_root import StepRoot
 from ..storage.base import temp_name
 from ..storage.local import LocalStore
-from ..storage.registry import is_remote
+from ..storage.registry import local_path
 
 __all__ = ["CommitCopy", "Holdings", "LocalTier", "StepCommit"]
 
@@ -90,10 +90,10 @@ class LocalTier:
     """The node-local directory ``root`` (a local path: NVMe, ``/dev/shm``, a local disk)."""
 
     def __init__(self, root: str | os.PathLike) -> None:
-        text = os.fspath(root)
-        if is_remote(text):
-            raise ValueError(f"the local tier must be a node-local path, not {text}")
-        self.root = os.path.abspath(text[len("file://") :] if text.startswith("file://") else text)
+        try:
+            self.root = local_path(root)
+        except ValueError:
+            raise ValueError(f"the local tier must be a node-local path, not {os.fspath(root)}") from None
 
     # -- where ------------------------------------------------------------------------------
     def step_dir(self, step: int) -> str:
