@@ -42,17 +42,27 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import torch.distributed.checkpoint as dcp  # noqa: E402
-from torch.distributed.checkpoint.planner import SavePlanner  # noqa: E402
+import torch.distributed.checkpoint as dcp
+from scale_sim_protocol import (
+    LoadSide,
+    Phase,
+    SaveSide,
+    SimulatedWorld,
+    dmuon_results,
+    local_load_plan,
+    simulate_load,
+    simulate_save,
+    torch_results,
+)
+from scale_sim_state import SPECS, Call, Mesh, Model, spread, tally
+from scale_sim_store import SCHEME, SimStore
+from torch.distributed.checkpoint.planner import SavePlanner
 
-import dmuon.dcp as ddcp  # noqa: E402
-from dmuon.dcp.cooperative import share_of  # noqa: E402
-from dmuon.dcp.format.layout import METADATA  # noqa: E402
-from dmuon.dcp.storage.registry import register_store, unregister_store  # noqa: E402
-from scale_sim_protocol import LoadSide, Phase, SaveSide, SimulatedWorld, dmuon_results, local_load_plan  # noqa: E402
-from scale_sim_protocol import simulate_load, simulate_save, torch_results  # noqa: E402
-from scale_sim_state import SPECS, Call, Mesh, Model, spread, tally  # noqa: E402
-from scale_sim_store import SCHEME, SimStore  # noqa: E402
+import dmuon.dcp as ddcp
+from dmuon.dcp.cooperative import share_of
+from dmuon.dcp.format.layout import METADATA
+from dmuon.dcp.plan_cache import SavePlanCache
+from dmuon.dcp.storage.registry import register_store, unregister_store
 
 METHODS = ("dmuon", "torch", "torch+cache")
 OPS = ("first save", "steady save", "load")
@@ -78,7 +88,7 @@ def run_method(method: str, model: Model, n: int, full_load_max: int, tmp: str) 
     with world.installed():
         if method == "dmuon":
             layout = model.layout()
-            caches = [ddcp.SavePlanCache() for _ in range(n)]
+            caches = [SavePlanCache() for _ in range(n)]
             urls = [f"{SCHEME}://{tmp}/save{i}" for i in range(2)]
             for op, url in zip(OPS[:2], urls):
                 side = SaveSide(planner=lambda r: ddcp.DMuonSavePlanner(plan_cache=caches[r]),
@@ -119,7 +129,8 @@ def run_method(method: str, model: Model, n: int, full_load_max: int, tmp: str) 
             load = LoadSide(planner=lambda r: dcp.DefaultLoadPlanner(),
                             reader=lambda r: dcp.FileSystemReader(dirs[0]), state=model.state,
                             exchange=lambda plans: False)
-        out["load"] = simulate_load(world, load, metadata) if n <= full_load_max else sampled_load(world, load, metadata)
+        full = n <= full_load_max
+        out["load"] = simulate_load(world, load, metadata) if full else sampled_load(world, load, metadata)
         out["load"].calls[:0] = world.calls
         out["load"].small_files = read
         out["load"].extra["metadata_open_cpu"] = open_cpu

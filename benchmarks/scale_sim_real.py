@@ -94,9 +94,10 @@ def _torch_state(model) -> dict:
 
     state: dict[str, Any] = {}
     for fqn, p in model.named_parameters():
-        zeros = lambda: torch.zeros_like(p.detach())  # noqa: E731
-        state[fqn] = ({"momentum_buffer": zeros()} if is_muon(fqn, p.shape) else
-                      {"step": torch.zeros(()), "exp_avg": zeros(), "exp_avg_sq": zeros()})
+        value = p.detach()
+        state[fqn] = ({"momentum_buffer": torch.zeros_like(value)} if is_muon(fqn, p.shape) else
+                      {"step": torch.zeros(()), "exp_avg": torch.zeros_like(value),
+                       "exp_avg_sq": torch.zeros_like(value)})
     groups = {name: dict(values) for name, values in PARAM_GROUPS.items()}
     return {"model": model.state_dict(), "optim": {"state": state, "param_groups": groups}}
 

@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.tensor.placement_types import Shard
 
-from dmuon.dcp import DedicatedEntry, DedicatedLayout
+from dmuon.dcp.app_state import DedicatedEntry, DedicatedLayout
 from dmuon.dcp.format.layout import MODEL_SECTION, OPTIM_SECTION, RESERVED_KEY
 from dmuon.ownership import assign_owners
 
@@ -96,9 +96,10 @@ class Mesh:
 
 class ShardStub(torch.Tensor):
     """An FSDP2 DTensor as DCP's planners see it: global shape and dtype, and the one chunk
-    this rank holds (dim-0 sharding, torch's ceil-division, empty shards past the end). No
-    memory: one element, expanded to the global shape. DCP asks a DTensor for its write items and chunk list through these
-    hooks, so the plans come out as a real DTensor's would, with no process group behind it."""
+    this rank holds (dim-0 sharding, torch's ceil-division, empty shards past the end). The
+    memory of one element, expanded to the global shape. DCP asks a DTensor for its write
+    items and chunk list through these hooks, so the plans come out as a real DTensor's
+    would, with no process group behind it."""
 
     chunk: ChunkStorageMetadata
 
