@@ -19,6 +19,7 @@ are of medians over rounds; min and median of each are printed, wall and CPU.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import shutil
 import statistics
@@ -64,14 +65,19 @@ def worker(rank, world, mib, rounds, root):
     out = {name: [] for name in ("sync save", "async call", "step", "step after call")}
     checkpointer = ddcp.api.model_checkpointer(model)
     for r in range(rounds):
-        out["sync save"].append(timed(lambda r=r: ddcp.save(model, opt, f"{root}/sync-{r}")))
+        out["sync save"].append(timed(functools.partial(ddcp.save, model, opt, f"{root}/sync-{r}")))
         out["step"].append(timed(step))
-        handles = []
-        out["async call"].append(timed(lambda r=r: handles.append(ddcp.async_save(model, opt, f"{root}/async-{r}"))))
+        started: list = []
+        call = functools.partial(_start, started, ddcp.async_save, model, opt, f"{root}/async-{r}")
+        out["async call"].append(timed(call))
         out["step after call"].append(timed(step))
-        handles[0].wait()
+        started[0].wait()
     checkpointer.close()
     return out
+
+
+def _start(started: list, async_save, *args) -> None:
+    started.append(async_save(*args))
 
 
 def main() -> None:
