@@ -111,8 +111,14 @@ class MuonOptimizersContainer(OptimizersContainer):
                 raise ValueError(f"model parts disagree on the clipping threshold: {sorted(map(str, norms))}")
             return build_muon_optimizers(model_parts, max_norm=norms.pop(), sum_gradients=True, **muon_kwargs)
 
-    def __init__(self, model_parts: Iterable[nn.Module], optimizers: Iterable[Muon], *,
-                 max_norm: float | None = None, sum_gradients: bool = False) -> None:
+    def __init__(
+        self,
+        model_parts: Iterable[nn.Module],
+        optimizers: Iterable[Muon],
+        *,
+        max_norm: float | None = None,
+        sum_gradients: bool = False,
+    ) -> None:
         # OptimizersContainer.__init__ builds optimizers from regex configs: not wanted here.
         self.model_parts = list(model_parts)
         self.optimizers = list(optimizers)
@@ -186,8 +192,9 @@ def _clip_jointly_(model_parts: list[nn.Module], dedicated: list[torch.Tensor], 
     return total
 
 
-def build_muon_optimizers(model_parts: Iterable[nn.Module], *, max_norm: float | None = None,
-                          sum_gradients: bool = False, **muon_kwargs: Any) -> MuonOptimizersContainer:
+def build_muon_optimizers(
+    model_parts: Iterable[nn.Module], *, max_norm: float | None = None, sum_gradients: bool = False, **muon_kwargs: Any
+) -> MuonOptimizersContainer:
     """One ``dmuon.Muon(part, **muon_kwargs)`` per model part, in a torchtitan container.
 
     Each part must already have its dedicated parameters (``dmuon.dedicate_params``) and be
@@ -195,8 +202,9 @@ def build_muon_optimizers(model_parts: Iterable[nn.Module], *, max_norm: float |
     :class:`MuonOptimizersContainer` (both off for a hand-written loop that averages).
     """
     parts = list(model_parts)
-    return MuonOptimizersContainer(parts, [Muon(part, **muon_kwargs) for part in parts],
-                                   max_norm=max_norm, sum_gradients=sum_gradients)
+    return MuonOptimizersContainer(
+        parts, [Muon(part, **muon_kwargs) for part in parts], max_norm=max_norm, sum_gradients=sum_gradients
+    )
 
 
 def default_predicate(fqn: str, param: nn.Parameter) -> bool:
@@ -207,9 +215,11 @@ def default_predicate(fqn: str, param: nn.Parameter) -> bool:
     return param.ndim == 2 and fqn.startswith("layers.")
 
 
-def dedicated_parallelize(parallelize_fn: Callable[..., nn.Module],
-                          predicate: Callable[[str, nn.Parameter], bool] = default_predicate,
-                          **dedicate_kwargs: Any) -> Callable[..., nn.Module]:
+def dedicated_parallelize(
+    parallelize_fn: Callable[..., nn.Module],
+    predicate: Callable[[str, nn.Parameter], bool] = default_predicate,
+    **dedicate_kwargs: Any,
+) -> Callable[..., nn.Module]:
     """A torchtitan ``parallelize_fn`` that dedicates the selected weights, then runs ``parallelize_fn``.
 
     The Trainer calls it with the model still on the meta device; ``dedicate_params`` takes it
@@ -227,8 +237,9 @@ def dedicated_parallelize(parallelize_fn: Callable[..., nn.Module],
     from torchtitan.config import TORCH_DTYPE_MAP
 
     @functools.wraps(parallelize_fn)
-    def parallelize(model: nn.Module, *, parallel_dims: Any, training: Any, parallelism: Any,
-                    **kwargs: Any) -> nn.Module:
+    def parallelize(
+        model: nn.Module, *, parallel_dims: Any, training: Any, parallelism: Any, **kwargs: Any
+    ) -> nn.Module:
         if parallelism.spmd_backend != "partial_dtensor":
             raise NotImplementedError(
                 f"dmuon needs parallelism.spmd_backend='partial_dtensor' (got {parallelism.spmd_backend!r}): "
@@ -241,8 +252,7 @@ def dedicated_parallelize(parallelize_fn: Callable[..., nn.Module],
         replicate = parallel_dims.get_mesh("dp_replicate") if parallel_dims.dp_replicate_enabled else None
         options = {"param_dtype": TORCH_DTYPE_MAP[training.mixed_precision_param], **dedicate_kwargs}
         dedicate_params(model, parallel_dims.get_mesh("fsdp"), predicate, replicate_mesh=replicate, **options)
-        model = parallelize_fn(model, parallel_dims=parallel_dims, training=training, parallelism=parallelism,
-                               **kwargs)
+        model = parallelize_fn(model, parallel_dims=parallel_dims, training=training, parallelism=parallelism, **kwargs)
         setattr(model, _MAX_NORM_ATTR, training.max_norm)
         training.max_norm = math.inf
         return model
@@ -250,8 +260,13 @@ def dedicated_parallelize(parallelize_fn: Callable[..., nn.Module],
     return parallelize
 
 
-def with_dmuon(config: Any, *, predicate: Callable[[str, nn.Parameter], bool] = default_predicate,
-               dedicate_options: dict[str, Any] | None = None, **muon_kwargs: Any) -> Any:
+def with_dmuon(
+    config: Any,
+    *,
+    predicate: Callable[[str, nn.Parameter], bool] = default_predicate,
+    dedicate_options: dict[str, Any] | None = None,
+    **muon_kwargs: Any,
+) -> Any:
     """Make a torchtitan ``Trainer.Config`` train with ``dmuon.Muon``; return it.
 
     Its model spec's ``parallelize_fn`` becomes :func:`dedicated_parallelize` of itself
