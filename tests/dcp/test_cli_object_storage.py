@@ -150,7 +150,8 @@ def test_s3_commands_fail_clearly_without_credentials(s3_server, s3_checkpoint, 
     res = subprocess.run([str(BIN / "dmuon-ckpt"), "inspect", url], capture_output=True, text=True,
                          timeout=120, env=env)
     assert res.returncode == 1 and "Traceback" not in res.stderr, res.stderr
-    assert res.stderr.startswith("error: NoCredentialsError: ") and "--storage-option" in res.stderr
+    assert res.stderr.startswith(f"error: {url}: ") and "NoCredentialsError: " in res.stderr, res.stderr
+    assert "--storage-option" in res.stderr
 
 
 # ---------------------------------------------------------------------------------------------
