@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from scale_sim_state import Call, pickled_size
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
@@ -37,7 +38,6 @@ from torch.distributed.checkpoint.storage import WriteResult
 from dmuon import compat
 from dmuon.dcp import writer as dmuon_writer
 from dmuon.dcp.format.manifest import FileStats, ItemChecksums, block_size_for
-from scale_sim_state import Call, pickled_size
 
 # bytes around a tensor's data in a data file (torch.save framing); and a pickled object's size
 TENSOR_HEAD, TENSOR_TAIL, OBJECT_BYTES = 128, 30, 400
