@@ -1,7 +1,7 @@
 """Scale simulator: what checkpoint coordination costs at 64 to 16,384 ranks, in one process.
 
-    python benchmarks/scale_sim.py [--models 8b 70b] [--meshes fsdp hsdp] [--worlds 64 256 1024]
-                                   [--extrapolate 4096 16384] [--full-load-max 128] [--json PATH]
+    python benchmarks/scale_sim.py [--models 8b 70b] [--meshes fsdp hsdp] [--worlds 64 256]
+                                   [--extrapolate 1024 4096 16384] [--full-load-max 64] [--json PATH]
     python benchmarks/scale_sim.py --check-real [--real-worlds 8 32]
 
 For each model (Llama-like 8B and 70B: ``scale_sim_state.SPECS``, Muon on the hidden 2-D
@@ -275,9 +275,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=["8b", "70b"], choices=sorted(SPECS))
     parser.add_argument("--meshes", nargs="+", default=["fsdp", "hsdp"], choices=["fsdp", "hsdp"])
-    parser.add_argument("--worlds", nargs="+", type=int, default=[64, 256, 1024])
-    parser.add_argument("--extrapolate", nargs="*", type=int, default=[4096, 16384])
-    parser.add_argument("--full-load-max", type=int, default=128)
+    parser.add_argument("--worlds", nargs="+", type=int, default=[64, 256])
+    parser.add_argument("--extrapolate", nargs="*", type=int, default=[1024, 4096, 16384])
+    parser.add_argument("--full-load-max", type=int, default=64)
     parser.add_argument("--json", help="write every row here")
     parser.add_argument("--check-real", action="store_true", help="compare with real gloo ranks (tiny model)")
     parser.add_argument("--real-worlds", nargs="+", type=int, default=[8, 32])
