@@ -29,12 +29,35 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import crc32c
 
-__all__ = ["S3_PART_BYTES", "S3_UPLOAD_CONCURRENCY", "S3ParallelReader", "S3ParallelWriter"]
+__all__ = [
+    "S3_MAX_OBJECT_BYTES",
+    "S3_PART_BYTES",
+    "S3_UPLOAD_CONCURRENCY",
+    "S3ParallelReader",
+    "S3ParallelWriter",
+    "part_bytes_for",
+]
 
-# S3 parts are 5 MiB to 5 GiB (except the last) and at most 10,000 per object: 16 MiB parts
-# allow 156 GiB per data file. Measured by benchmarks/object_storage.py (docs/performance.md).
+# The first parts of an object: 16 MiB, measured by benchmarks/object_storage.py
+# (docs/performance.md). S3 parts are 5 MiB to 5 GiB (except the last) and at most 10,000 per
+# object, so a fixed 16 MiB would stop at 156 GiB: see part_bytes_for.
 S3_PART_BYTES = 16 << 20
 S3_UPLOAD_CONCURRENCY = 4
+S3_MAX_PARTS = 10_000
+S3_MAX_PART_BYTES = 5 << 30
+S3_MAX_OBJECT_BYTES = 5 << 40
+#: the part size doubles after every this many parts
+PARTS_PER_SIZE = 1_000
+
+
+def part_bytes_for(number: int, first: int = S3_PART_BYTES, per_size: int = PARTS_PER_SIZE) -> int:
+    """The size of part ``number`` (from 1) of a streamed object, whose size is known only at
+    its end: ``first`` for the first thousand parts, then twice that for the next thousand, and
+    so on, at most 5 GiB. Small objects keep small parts (and the memory of a stream, at most
+    ``concurrency + 1`` parts, stays small); any object up to S3's 5 TiB fits in 10,000 parts
+    (16 MiB first parts: 15.6 GiB with 16 MiB parts, 234 GiB by 128 MiB parts, 5 TiB by 4 GiB
+    parts; ``tests/dcp/storage/test_s3_part_sizes.py``)."""
+    return min(first << ((number - 1) // per_size), S3_MAX_PART_BYTES)
 
 
 def part_checksum(data) -> str:
@@ -54,10 +77,19 @@ class S3ParallelWriter:
     to ``concurrency`` parts in flight. ``discard()`` aborts the upload (nothing appears).
     """
 
-    def __init__(self, fs, path: str, part_bytes: int = S3_PART_BYTES, concurrency: int = S3_UPLOAD_CONCURRENCY):
+    def __init__(
+        self,
+        fs,
+        path: str,
+        part_bytes: int = S3_PART_BYTES,
+        concurrency: int = S3_UPLOAD_CONCURRENCY,
+        parts_per_size: int = PARTS_PER_SIZE,
+    ):
+        """``part_bytes``: the first parts' size; it doubles every ``parts_per_size`` parts
+        (:func:`part_bytes_for`)."""
         self.fs, self.path = fs, path
         self.bucket, self.key = _bucket_and_key(path)
-        self.part_bytes, self.concurrency = part_bytes, concurrency
+        self.part_bytes, self.concurrency, self.parts_per_size = part_bytes, concurrency, parts_per_size
         self.closed = False
         self._part = bytearray()
         self._upload_id: str | None = None
@@ -77,10 +109,16 @@ class S3ParallelWriter:
         view = memoryview(data).cast("B")
         taken = 0
         while taken < view.nbytes:
-            room = self.part_bytes - len(self._part)
+            if self._parts_sent >= S3_MAX_PARTS:
+                raise OSError(
+                    f"{self.path}: larger than an S3 object can be ({S3_MAX_PARTS} parts, "
+                    f"{S3_MAX_OBJECT_BYTES >> 40} TiB); nothing was committed"
+                )
+            size = part_bytes_for(self._parts_sent + 1, self.part_bytes, self.parts_per_size)
+            room = size - len(self._part)
             self._part += view[taken : taken + room]
             taken += min(room, view.nbytes - taken)
-            if len(self._part) == self.part_bytes:
+            if len(self._part) == size:
                 self._send(self._part)
                 self._part = bytearray()
         self._position += view.nbytes
