@@ -28,8 +28,10 @@ What is private, and why dmuon needs it:
 * :func:`optimizer_load_state_dict_hooks`: ``Muon.load_state_dict`` loads in place (it keeps
   dtypes and skips entries of parameters this rank does not own) and runs the hooks users
   registered, which torch keeps in private attributes.
-* ``default_store()``: the job's rendezvous store; after a collective failed, the surviving
-  ranks hold a roll call there to name the rank that stopped (``dcp/rank_failure.py``).
+* ``default_store()``, :func:`collective_count`: the job's rendezvous store, and the default
+  group's count of collectives; after a collective failed, the surviving ranks hold a roll
+  call there, under a name that count gives, to name the rank that stopped
+  (``dcp/rank_failure.py``).
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ __all__ = [
     "StateDictRequest",
     "StorageInfo",  # noqa: F822 - served by __getattr__
     "TorchCompatError",
+    "collective_count",
     "default_store",  # noqa: F822 - served by __getattr__
     "missing_features",
     "optimizer_load_state_dict_hooks",
@@ -295,6 +298,22 @@ def _planner_attribute(planner: Any, name: str) -> Any:
             f"torch {torch.__version__}'s default DCP planners keep no {name!r} after set_up_planner: "
             "dmuon's DCP planners are disabled; install a torch release the README lists as tested"
         ) from None
+
+
+def collective_count() -> int:
+    """How many collectives the default process group has run: the same number on every rank at
+    the same point of an SPMD program (``ProcessGroup._get_sequence_number_for_group``), so it
+    names one operation on all ranks at once (``dcp/rank_failure.py``'s roll call)."""
+    import torch.distributed as dist
+
+    group = dist.group.WORLD
+    method = getattr(group, "_get_sequence_number_for_group", None)
+    if method is None:
+        raise TorchCompatError(
+            f"naming the rank that stopped needs ProcessGroup._get_sequence_number_for_group, which torch "
+            f"{torch.__version__} lacks"
+        )
+    return int(method())
 
 
 def planner_flat_state(planner: Any) -> dict[str, Any]:

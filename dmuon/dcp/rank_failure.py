@@ -74,7 +74,7 @@ class RollCall:
             return
         try:
             self.store = compat.default_store()
-            sequence = dist.group.WORLD._get_sequence_number_for_group()  # type: ignore[union-attr]
+            sequence = compat.collective_count()
         except Exception:  # a torch or store without them: failures are raised as they come
             self.store = None
             return

@@ -178,7 +178,7 @@ def test_torch_default_save_planner_asks_an_object_for_its_write_items_by_the_pr
 
 
 def test_compat_names_are_all_exercised():
-    tested = {"default_store", "CHECKPOINT_WRAPPER_PREFIX", "CREATE_WRITE_ITEMS", "state_dict_name", "StorageInfo", "DCP_ASYNC_THREAD_PREFIX", "CURRENT_DCP_VERSION", "set_element", "rebuild_tensor", "storage_type_names",
+    tested = {"collective_count", "default_store", "CHECKPOINT_WRAPPER_PREFIX", "CREATE_WRITE_ITEMS", "state_dict_name", "StorageInfo", "DCP_ASYNC_THREAD_PREFIX", "CURRENT_DCP_VERSION", "set_element", "rebuild_tensor", "storage_type_names",
               "FSDP_PATCH_MODULE", "FSDP_PATCH_TARGET", "state_dict_request", "StateDictRequest", "TorchCompatError",
               "missing_features", "require_all", "tree_flatten", "PICKLED_METADATA_GLOBALS", "planner_flat_state",
               "set_planner_flat_state", "planner_mappings", "planner_nested_state", "optimizer_load_state_dict_hooks"}
@@ -244,3 +244,21 @@ def test_a_missing_private_name_disables_only_its_feature(tmp_path):
         assert f"torch {torch.__version__}" in lines[what], lines[what]
     assert lines["save"].startswith("TorchCompatError: "), lines["save"]  # before anything is written
     assert not (tmp_path / "ckpt").exists()
+
+
+def store_and_count_worker(rank, world):
+    import torch
+    import torch.distributed as dist
+
+    store = compat.default_store()
+    before = compat.collective_count()
+    dist.all_reduce(torch.ones(1))
+    store.set(f"compat-test/{rank}", b"here")
+    dist.barrier()
+    return before, compat.collective_count(), store.get(f"compat-test/{1 - rank}")
+
+
+def test_default_store_and_collective_count_are_the_same_on_every_rank():
+    results = run_ranks(store_and_count_worker, 2)
+    assert results[0][:2] == results[1][:2] and results[0][1] > results[0][0]
+    assert results[0][2] == results[1][2] == b"here"
