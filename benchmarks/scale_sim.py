@@ -139,11 +139,9 @@ def run_method(method: str, model: Model, n: int, full_load_max: int, tmp: str) 
 
 def open_listing(url: str):
     """How dmuon's Checkpointer.load opens a checkpoint: ``open_once`` (rank 0 reads the small
-    files and broadcasts them) where the tree has it, else ``open_checkpoint`` on every rank."""
-    try:
-        from dmuon.dcp.operation import open_once
-    except ImportError:
-        return ddcp.open_checkpoint(url)
+    files and broadcasts them)."""
+    from dmuon.dcp.operation import open_once
+
     return open_once(url, None)
 
 
