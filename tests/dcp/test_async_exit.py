@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -58,6 +59,13 @@ def finish(proc: subprocess.Popen, out: Path, ending: str) -> tuple[int, str]:
     return proc.returncode, output
 
 
+def torch_teardown_abort(code: int, output: str, path: str) -> bool:
+    """The job failed only by a C++ abort at interpreter exit, after every rank's guard had
+    reported the save committed."""
+    return (code != 0 and "terminate called without an active exception" in output
+            and output.count(f"async save to {path} committed") == 2)
+
+
 def saved_model(path: str, storage_options, tmp_path: Path) -> dict:
     from safetensors.torch import load_file
 
@@ -76,9 +84,18 @@ ENDINGS = {  # ending -> whether the job itself may exit 0
 @pytest.mark.parametrize("backend", ["local", "s3"])
 @pytest.mark.parametrize("ending", sorted(ENDINGS))
 def test_a_save_in_flight_at_the_end_of_the_job_is_committed(checkpoint_location, tmp_path, backend, ending):
-    path, options = checkpoint_location(backend, "ckpt")
-    out = tmp_path / "out"
-    code, output = finish(launch(path, out, ending, storage_options=options), out, ending)
+    for attempt in (1, 2):
+        path, options = checkpoint_location(backend, f"ckpt-{attempt}")
+        out = tmp_path / f"out-{attempt}"
+        code, output = finish(launch(path, out, ending, storage_options=options), out, ending)
+        if attempt == 1 and torch_teardown_abort(code, output, path) and ENDINGS[ending]:
+            # torch 2.13's gloo threads at interpreter exit, after dmuon's part was done (the
+            # save committed on every rank): seen with and without dmuon (docs/reliability.md,
+            # "Exit status"); the project's rule for native crashes is one more run, with a warning
+            warnings.warn(f"the job aborted at interpreter exit after committing; running it once more:\n"
+                          f"{output[-1500:]}", stacklevel=1)
+            continue
+        break
     assert (code == 0) == ENDINGS[ending], output[-3000:]
     assert ddcp.verify(path, storage_options=options) == [], output[-3000:]
     expected = torch.load(out / "expected.pt", weights_only=True)
