@@ -254,8 +254,10 @@ def store_and_count_worker(rank, world):
     before = compat.collective_count()
     dist.all_reduce(torch.ones(1))
     store.set(f"compat-test/{rank}", b"here")
-    dist.barrier()
-    return before, compat.collective_count(), store.get(f"compat-test/{1 - rank}")
+    other = store.get(f"compat-test/{1 - rank}")  # (waits for it)
+    after = compat.collective_count()
+    dist.barrier()  # read everything before any rank leaves: rank 0 hosts the store
+    return before, after, other
 
 
 def test_default_store_and_collective_count_are_the_same_on_every_rank():
