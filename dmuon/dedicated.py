@@ -104,8 +104,7 @@ class DedicatedParam:
     @property
     def param(self) -> nn.Parameter:
         """The module's parameter (after ``to_empty``: the new object, once adopted)."""
-        if self._locations is not None:
-            self._adopt()
+        self.adopt_if_materialised()
         return self._param
 
     @property
@@ -113,6 +112,11 @@ class DedicatedParam:
         """The fp32 master on the ranks that hold it, None elsewhere."""
         self.require_materialised()
         return self._master
+
+    def adopt_if_materialised(self) -> None:
+        """Local: take over what ``to_empty`` made of a meta-built parameter, where it has run."""
+        if self._locations is not None:
+            self._adopt()
 
     def require_materialised(self) -> None:
         if self._locations is not None and not self._adopt():
@@ -344,8 +348,7 @@ class DedicatedRegistry:
     def adopt_materialised(self) -> None:
         """Local: take over what ``to_empty`` made of meta-built parameters, where it has run."""
         for rec in self:
-            if rec.built_on_meta:
-                rec.param  # noqa: B018 - the property adopts
+            rec.adopt_if_materialised()
 
     def wait_all(self) -> None:
         for rec in self:

@@ -20,9 +20,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+import torch.distributed as dist
+
 from .errors import CheckpointError
 
-__all__ = ["agree", "decided"]
+__all__ = ["agree", "broadcast_over", "decided", "gather_over"]
 
 T = TypeVar("T")
 
@@ -91,3 +93,27 @@ def decided(
         return value
     kind, message = value
     raise _error(kind, error, f"{what}: {message}") from failure
+
+
+def gather_over(group: Any = None) -> Callable[[Any], list[Any]]:
+    """The all-gather of a picklable object over ``group`` (default: the default group), as
+    :func:`agree` takes it."""
+
+    def gather(obj: Any) -> list[Any]:
+        everyone: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(everyone, obj, group=group)
+        return everyone
+
+    return gather
+
+
+def broadcast_over(group: Any = None) -> Callable[[Any, int], Any]:
+    """The broadcast of a picklable object from a group rank over ``group`` (default: the
+    default group), as :func:`decided` takes it."""
+
+    def broadcast(obj: Any, src: int) -> Any:
+        box = [obj]
+        dist.broadcast_object_list(box, group=group, group_src=src)
+        return box[0]
+
+    return broadcast

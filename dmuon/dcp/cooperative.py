@@ -33,7 +33,6 @@ machines notwithstanding; unset is the behaviour above.
 
 from __future__ import annotations
 
-import functools
 import os
 from collections import defaultdict
 from collections.abc import Callable, Hashable, Sequence
@@ -44,7 +43,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
 
-from .agreement import agree
+from .agreement import agree, gather_over
 from .errors import CheckpointError
 
 __all__ = [
@@ -208,7 +207,7 @@ def read_shared(
         read_items([item for item in plan.items if id(item) not in received], planner, keep)
     except BaseException as error:  # reported to every rank below, then raised here
         failure = error
-    agree(failure, functools.partial(_all_gather, group=group), "cooperative load: nothing was exchanged, reads failed")
+    agree(failure, gather_over(group), "cooperative load: nothing was exchanged, reads failed")
     device = exchange_device(group)
     sends = []
     for position, transfer in share.sends.items():
@@ -245,12 +244,6 @@ def exchange_device(group: Any) -> torch.device:
     if "nccl" in backend and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
-
-
-def _all_gather(obj: Any, group: Any) -> list[Any]:
-    everyone: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, obj, group=group)
-    return everyone
 
 
 def exchange(sends: list[tuple[Transfer, torch.Tensor]], receives: list[tuple[Transfer, torch.Tensor]], group: Any):

@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 from .. import compat
 from ..optim.muon import Muon
-from .agreement import decided
+from .agreement import broadcast_over, decided
 from .app_state import AppState
 from .checkpoint import CheckpointListing, open_checkpoint
 from .errors import from_checkpoint_exception
@@ -82,13 +82,8 @@ def open_once(checkpoint_id: str | os.PathLike, storage_options: dict | None) ->
         listing = open_checkpoint(checkpoint_id, storage_options)
         return listing.metadata, listing.manifest, listing.files, listing.manifest_file
 
-    def broadcast(obj: Any, src: int) -> Any:
-        box = [obj]
-        dist.broadcast_object_list(box, src=src)
-        return box[0]
-
     metadata, manifest, files, manifest_file = decided(
-        opened, 0, dist.get_rank(), broadcast, f"opening {os.fspath(checkpoint_id)}"
+        opened, 0, dist.get_rank(), broadcast_over(), f"opening {os.fspath(checkpoint_id)}"
     )
     store = open_store(checkpoint_id, storage_options)
     return CheckpointListing(store, metadata, manifest, files=files, manifest_file=manifest_file)
