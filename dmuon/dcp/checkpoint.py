@@ -55,12 +55,15 @@ def _check_storage_ranges(files: dict[str, int], metadata: Metadata, manifest: M
         if name not in checked:
             checked[name] = _checked_file(files, manifest, checked_name(name), index.fqn, where)
         size, stats = checked[name]
+        if stats is not None and stats.sums_at is not None:
+            size = stats.sums_at  # items end where the file's checksum trailer starts
         if info.offset < 0 or info.length < 0 or info.offset + info.length > size:
             raise CheckpointCorruptError(
                 f"{where}: {index.fqn} claims bytes {info.offset}..{info.offset + info.length} of {name}, "
-                f"which has {size} bytes"
+                f"which has {size} bytes of items"
             )
-        if stats is not None and stats.item_length(info.offset) != info.length:
+        # (version 4: each item is matched when its file's trailer is read, by the first read there)
+        if stats is not None and stats.items is not None and stats.item_length(info.offset) != info.length:
             raise CheckpointCorruptError(f"{where}: {index.fqn} in {name} does not match the manifest")
 
 

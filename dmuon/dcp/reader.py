@@ -164,6 +164,8 @@ class DMuonStorageReader(StorageReader):
             def read_file(name=name, ordered=ordered):  # redelivering an item is harmless
                 before = listing.bytes_read
                 with listing.store.open_read(checked_name(name)) as stream, _finishing(uploads):
+                    if listing.manifest is not None:
+                        listing.file_items(name, stream)  # (its trailer first, through this stream)
                     ahead = _ReadAhead(stream, [self.storage_data[index] for index, _ in ordered])
                     for first in range(0, len(ordered), _RESOLVE_BATCH):
                         # Destinations are resolved a batch at a time, before the batch's bytes

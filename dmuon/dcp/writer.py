@@ -1,7 +1,9 @@
 """``DMuonStorageWriter``: DCP's storage writer over any store, with checksums and a safe commit.
 
 Each rank streams its items into one data file, computing a checksum per item as the bytes go
-out (items tile the file, so every byte is checksummed once, with no second read). Tensors are
+out (items tile the file, so every byte is checksummed once, with no second read), and ends the
+file with those checksums (its trailer, ``format/file_sums.py``): they never travel to another
+rank. Tensors are
 written in ``torch.save``'s format by ``torch_file.py``, straight from their memory. The
 coordinator then commits (``commit.py``): manifest, then ``.metadata``. Knows nothing of models.
 """
@@ -26,6 +28,7 @@ from ..topology import current_rank
 from .commit import commit, files_of_committed_saves
 from .errors import CheckpointExistsError
 from .format.checksums import CHECKSUMS, HOT_SLICE, WRITE_CHECKSUM, checksum_of
+from .format.file_sums import encode_file_sums
 from .format.layout import METADATA, data_file_name
 from .format.manifest import FileStats, ItemChecksums, Manifest, block_size_for
 from .format.tensor_bytes import SLICE
@@ -37,11 +40,24 @@ from .storage.base import BorrowingStream, Store
 from .storage.registry import open_store
 from .storage.retry import retrying
 
-__all__ = ["DMuonStorageWriter"]
+__all__ = ["FILE_STATS_KEY", "DMuonStorageWriter", "split_write_results"]
 
-# A write result that carries a data file's size and item checksums to the coordinator (not a
-# state-dict key: the prefix cannot come out of DCP's flattening).
-_FILE_STATS = "__dmuon_file_stats__"
+#: The key of the write result that carries a data file's size and trailer offset to the
+#: coordinator (not a state-dict key: the prefix cannot come out of DCP's flattening).
+FILE_STATS_KEY = "__dmuon_file_stats__"
+
+
+def split_write_results(results) -> tuple[dict[MetadataIndex, Any], dict[str, FileStats]]:
+    """Write results as the commit needs them: where each item lies, and each data file."""
+    storage_data: dict[MetadataIndex, Any] = {}
+    files: dict[str, FileStats] = {}
+    for result in results:
+        if result.index.fqn.startswith(FILE_STATS_KEY):
+            name, stats = result.storage_data
+            files[name] = stats
+        else:
+            storage_data[result.index] = result.storage_data
+    return storage_data, files
 
 
 class _ChecksummingStream:
@@ -248,28 +264,32 @@ class DMuonStorageWriter(StorageWriter):
                         index=item.index, size_in_bytes=length, storage_data=compat.StorageInfo(name, offset, length)
                     )
                 )
+            sums_at = stream.tell()  # the checksums stay with the file (file_sums.py)
+            stream.write(encode_file_sums(self._save_id(), name, WRITE_CHECKSUM, checksums))
         results.append(
             WriteResult(
-                index=MetadataIndex(f"{_FILE_STATS}{name}"),
+                index=MetadataIndex(f"{FILE_STATS_KEY}{name}"),
                 size_in_bytes=0,
-                storage_data=(name, FileStats(stream.tell(), checksums)),
+                storage_data=(name, FileStats(stream.tell(), None, sums_at=sums_at)),
             )
         )
         return results
 
+    def _save_id(self) -> str:
+        if self.save_id is None:
+            raise RuntimeError("write_data before the save's plan named it")
+        return self.save_id
+
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        storage_data, files = split_write_results(r for rank_results in results for r in rank_results)
+        self.commit_save(metadata, storage_data, files)
+
+    def commit_save(self, metadata: Metadata, storage_data: dict, files: dict[str, FileStats]) -> None:
+        """Coordinator: write the manifest and ``.metadata`` of this save, whose items lie
+        where ``storage_data`` says, in ``files`` (``commit.py``)."""
         if self.phases is not None:
             self.phases.enter("committing")
         store = self._store()
-        files: dict[str, FileStats] = {}
-        storage_data = {}
-        for rank_results in results:
-            for result in rank_results:
-                if result.index.fqn.startswith(_FILE_STATS):
-                    name, stats = result.storage_data
-                    files[name] = stats
-                else:
-                    storage_data[result.index] = result.storage_data
         save_id = self.save_id or uuid.uuid4().hex[:16]
         metadata.version = compat.CURRENT_DCP_VERSION  # what torch's own writers record
         metadata.storage_data = storage_data

@@ -14,6 +14,7 @@ import dmuon
 import dmuon.dcp as ddcp
 from dmuon.dcp.checkpoint import open_checkpoint
 from tests.helpers.launch import run_ranks
+from tests.helpers.tamper import as_version_3
 from tests.helpers.training import build, train
 
 FLIPS, TRUNCATIONS = 200, 20
@@ -109,6 +110,7 @@ def _edit_manifest(path, edit):
 
 
 def _write_v1_manifest(path, wrong_whole_file_for=None):
+    # (from a checkpoint of version 3: tests.helpers.tamper.as_version_3)
     """Replace the manifest by what dmuon 0.1's first releases wrote: version 1, zlib CRC-32 per
     item and a whole-file CRC-32 per data file."""
     import json
@@ -137,6 +139,7 @@ def test_verify_checks_version_1_manifests_and_item_coverage(tmp_path):
     assert open_checkpoint(str(path)).verify_files() == []
     victim = sorted(n for n in os.listdir(path) if n.endswith(".distcp"))[0]
 
+    as_version_3(path)  # (dmuon's checkpoints before checksum trailers)
     _write_v1_manifest(path)  # the earlier format: right values verify clean
     listing = open_checkpoint(str(path))
     assert listing.manifest.version == "dmuon-manifest/1" and listing.verify_files() == []

@@ -17,7 +17,7 @@ from dmuon.dcp.checkpoint import open_checkpoint
 from dmuon.dcp.format.checksums import checksum_of
 from dmuon.dcp.format.manifest import ItemChecksums
 from tests.helpers.launch import run_ranks
-from tests.helpers.tamper import manifest_of, rewrite
+from tests.helpers.tamper import as_version_3, manifest_of, rewrite
 from tests.helpers.training import build, train
 
 
@@ -108,11 +108,11 @@ def test_non_tensor_entry_that_unpickles_arbitrary_objects(pristine, tmp_path, r
     torch.save({"x": RunsCode(marker)}, payload)
     evil = payload.getvalue()
     # append the payload to the data file and point the entry at it; vouch for it in the manifest
+    name, manifest = as_version_3(target)  # (checksums in the manifest, files without trailers)
     data_file = target / info.relative_path
     start = data_file.stat().st_size
     data_file.write_bytes(data_file.read_bytes() + evil)
     md.storage_data[index] = _StorageInfo(info.relative_path, start, len(evil))
-    name, manifest = manifest_of(target)
     stats = manifest.files[info.relative_path]
     stats.size = start + len(evil)
     stats.items = {**stats.items, start: ItemChecksums.whole(len(evil), checksum_of(manifest.checksum, evil))}

@@ -68,15 +68,14 @@ def test_resharded_loads_read_at_most_a_tenth_more_than_they_need(tmp_path, sour
 def test_a_flipped_byte_inside_a_partly_read_chunk_is_caught(tmp_path):
     import pickle
 
-    from dmuon.dcp.format.manifest import decode_manifest
+    from dmuon.dcp.checkpoint import open_checkpoint
 
     path = tmp_path / "ckpt"
     run_ranks(save_worker, 2, str(path))
     metadata = pickle.loads((path / ".metadata").read_bytes())
     [index] = [i for i in metadata.storage_data if i.fqn == "model.0.weight" and not any(i.offset)]
     info = metadata.storage_data[index]
-    name = next(f for f in os.listdir(path) if f.startswith(".dmuon-manifest-"))
-    item = decode_manifest(name, (path / name).read_bytes()).files[info.relative_path].items[info.offset]
+    item = open_checkpoint(str(path)).file_items(info.relative_path)[info.offset]
     # rank 1 of 4 reads rows 1024..2047 of this chunk (rows 0..2047 of the 2-rank save): flip one
     row = 1500
     victim = info.offset + item.head + row * COLS * 4 + 17

@@ -23,3 +23,23 @@ def rewrite(path: Path, metadata_bytes: bytes, files=None) -> None:
     manifest.metadata_size = len(metadata_bytes)
     manifest.metadata_checksum = checksum_of(manifest.checksum, metadata_bytes)
     (path / name).write_bytes(encode_manifest(manifest))
+
+
+def as_version_3(path: Path):
+    """Turn a checkpoint written with checksum trailers (manifest version 4) into what dmuon
+    wrote before them: each data file cut at its trailer, every item's checksums in the
+    manifest (version 3). For tests that edit or forge per-item checksums; returns
+    ``(manifest file name, manifest)`` as written."""
+    from dmuon.dcp.checkpoint import open_checkpoint
+    from dmuon.dcp.format.manifest import FileStats
+
+    listing = open_checkpoint(str(path))
+    name, manifest = manifest_of(path)
+    for file, stats in manifest.files.items():
+        if stats.sums_at is None:
+            continue
+        items = dict(listing.file_items(file))
+        os.truncate(path / file, stats.sums_at)
+        manifest.files[file] = FileStats(stats.sums_at, items)
+    (path / name).write_bytes(encode_manifest(manifest))
+    return manifest_of(path)

@@ -3,7 +3,17 @@
 Written by the coordinator just before ``.metadata``; one line of JSON, then a line with the
 checksum of exactly that line, so any change to any byte of the manifest is detected.
 
-Version 3 (what dmuon writes)::
+Version 4 (what dmuon writes) keeps each data file's item checksums out of the manifest, in a
+trailer at the end of that file (``file_sums.py``): the rank that wrote the file knows them, and
+the coordinator, who writes the manifest, then needs only each file's size and where its
+trailer starts -- what a save whose layout did not change knows without asking any rank::
+
+    {"format": "dmuon-manifest/4", "checksum": "xxh3-64", "save_id": "<hex>",
+     "metadata": {"size": <bytes of .metadata>, "checksum": <int>},
+     "files": {"<data file>": {"size": <bytes>, "sums_at": <offset of its trailer>}}}
+    crc32c=<8 hex digits of the line above>
+
+Version 3::
 
     {"format": "dmuon-manifest/3", "checksum": "xxh3-64", "save_id": "<hex>",
      "metadata": {"size": <bytes of .metadata>, "checksum": <int>},
@@ -20,7 +30,8 @@ data region is exactly the tensor's bytes, so a reader that needs only some rows
 verifies only the blocks holding them; an object is one head segment (``block`` 0). Every byte
 is covered once.
 
-Earlier versions are still read and verified (``tests/fixtures`` holds a checkpoint of each).
+In version 4 the items tile a file up to its trailer, which checks itself. Earlier versions
+are still read and verified (``tests/fixtures`` holds a checkpoint of each).
 Version 2 is version 3 with ``crc32c`` as the only kind (4-byte values). Version 1 is the same layout with
 zlib CRC-32 under ``crc32`` keys and a ``crc32=`` trailer; its oldest manifests also carry a
 whole-file ``crc32`` per file, which :class:`FileStats.whole_file` keeps for verification.
@@ -43,6 +54,9 @@ __all__ = [
     "ItemChecksums",
     "Manifest",
     "block_size_for",
+    "checked_line",
+    "encode_items",
+    "parse_checked_line",
     "decode_manifest",
     "encode_manifest",
 ]
@@ -50,6 +64,7 @@ __all__ = [
 MANIFEST_V1 = "dmuon-manifest/1"
 MANIFEST_V2 = "dmuon-manifest/2"
 MANIFEST_V3 = "dmuon-manifest/3"
+MANIFEST_V4 = "dmuon-manifest/4"
 # The checksum of the manifest's own line: CRC-32C from version 2 on (the line is small),
 # zlib CRC-32 in version 1, which also used it for everything else.
 _TRAILER_CHECKSUM = "crc32c"
@@ -145,12 +160,20 @@ class EncodedItems(Mapping[int, ItemChecksums]):
 
 @dataclass
 class FileStats:
+    """One data file as the manifest describes it. In version 4 its items are in the file's
+    trailer, from byte ``sums_at`` on: ``items`` is None until a reader reads it
+    (``file_sums.py``)."""
+
     size: int
-    items: Mapping[int, ItemChecksums]  # by offset in the file
+    items: Mapping[int, ItemChecksums] | None  # by offset in the file
     whole_file: int | None = None  # version 1's oldest manifests only
+    sums_at: int | None = None  # version 4: where the file's checksum trailer starts
 
     def item_length(self, offset: int) -> int | None:
-        """Length of the item at ``offset`` (None: no item there), without decoding it."""
+        """Length of the item at ``offset`` (None: no item there, or not read yet), without
+        decoding it."""
+        if self.items is None:
+            return None
         if isinstance(self.items, EncodedItems):
             return self.items.length(offset)
         item = self.items.get(offset)
@@ -173,34 +196,55 @@ class Manifest:
         )
 
 
+def checked_line(body: dict) -> bytes:
+    """``body`` as one line of JSON, then a line with its checksum: the form of every small
+    file dmuon writes (manifests, data-file trailers)."""
+    line = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+    return line + f"\n{_TRAILER_CHECKSUM}={checksum_of(_TRAILER_CHECKSUM, line):08x}\n".encode()
+
+
+def parse_checked_line(data: bytes) -> tuple[dict, str] | None:
+    """(the body, the checksum kind of its line) of what :func:`checked_line` wrote (or
+    version 1's ``crc32=`` form); None if any byte of it is wrong."""
+    line, _, rest = data.partition(b"\n")
+    trailer = rest.partition(b"=")[0].decode("ascii", "replace")
+    if trailer not in _TRAILERS or rest != f"{trailer}={checksum_of(trailer, line):08x}\n".encode():
+        return None
+    try:
+        body = json.loads(line)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    return (body, trailer) if isinstance(body, dict) else None
+
+
 def encode_manifest(manifest: Manifest) -> bytes:
-    """Version 3, whatever version ``manifest`` was read as (its checksum kind is kept)."""
+    """Version 4 for a manifest whose files carry their checksums in trailers, else version 3,
+    whatever version ``manifest`` was read as (its checksum kind is kept)."""
+    in_trailers = any(stats.sums_at is not None for stats in manifest.files.values())
+    files: dict[str, dict] = {}
+    for name, stats in manifest.files.items():
+        if in_trailers:
+            if stats.sums_at is None:
+                raise ValueError(f"{name}: a version 4 manifest needs every file's trailer offset")
+            files[name] = {"size": stats.size, "sums_at": stats.sums_at}
+        else:
+            files[name] = {"size": stats.size, "items": encode_items(stats.items or {}, manifest.checksum)}
     body = {
-        "format": MANIFEST_V3,
+        "format": MANIFEST_V4 if in_trailers else MANIFEST_V3,
         "checksum": manifest.checksum,
         "save_id": manifest.save_id,
         "metadata": {"size": manifest.metadata_size, "checksum": manifest.metadata_checksum},
-        "files": {
-            name: {"size": stats.size, "items": _encode_items(stats, manifest.checksum)}
-            for name, stats in manifest.files.items()
-        },
+        "files": files,
     }
-    line = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
-    return line + f"\n{_TRAILER_CHECKSUM}={checksum_of(_TRAILER_CHECKSUM, line):08x}\n".encode()
+    return checked_line(body)
 
 
 def decode_manifest(name: str, data: bytes) -> Manifest:
     """Parse and check a manifest of any version; :class:`CheckpointCorruptError` if any
     byte of it is wrong."""
-    line, _, rest = data.partition(b"\n")
-    trailer = rest.partition(b"=")[0].decode("ascii", "replace")
-    body = None
-    if trailer in _TRAILERS and rest == f"{trailer}={checksum_of(trailer, line):08x}\n".encode():
-        try:
-            body = json.loads(line)
-        except (ValueError, UnicodeDecodeError):
-            body = None
-    if isinstance(body, dict):
+    parsed = parse_checked_line(data)
+    if parsed is not None:
+        body, trailer = parsed
         version = body.get("format")
         try:
             if version in _LATER_VERSIONS and trailer == _TRAILER_CHECKSUM:
@@ -212,8 +256,9 @@ def decode_manifest(name: str, data: bytes) -> Manifest:
     raise CheckpointCorruptError(f"checksum manifest {name} is corrupted (checksum or format mismatch)")
 
 
-def _encode_items(stats: FileStats, checksum: str) -> dict[str, list]:
-    return {str(offset): _encode_item(item, checksum) for offset, item in sorted(stats.items.items())}
+def encode_items(items: Mapping[int, ItemChecksums], checksum: str) -> dict[str, list]:
+    """A file's items as a manifest or trailer encodes them (module docstring)."""
+    return {str(offset): _encode_item(item, checksum) for offset, item in sorted(items.items())}
 
 
 def _encode_item(item: ItemChecksums, checksum: str) -> list:
@@ -234,17 +279,25 @@ def _decode_item(value: list, checksum: str) -> ItemChecksums:
 
 
 # The kinds each later version may name: version 2 only ever wrote CRC-32C.
-_LATER_VERSIONS = {MANIFEST_V2: {"crc32c"}, MANIFEST_V3: set(CHECKSUMS)}
+_LATER_VERSIONS = {MANIFEST_V2: {"crc32c"}, MANIFEST_V3: set(CHECKSUMS), MANIFEST_V4: set(CHECKSUMS)}
 
 
 def _from_v2_or_later(body: dict) -> Manifest:
     version, checksum = body["format"], body["checksum"]
     if checksum not in _LATER_VERSIONS[version]:
         raise ValueError(checksum)
-    files = {
-        name: FileStats(int(stats["size"]), EncodedItems(name, stats["items"], checksum))
-        for name, stats in body["files"].items()
-    }
+    if version == MANIFEST_V4:
+        files = {
+            name: FileStats(int(stats["size"]), None, sums_at=int(stats["sums_at"]))
+            for name, stats in body["files"].items()
+        }
+        if any(not 0 <= stats.sums_at <= stats.size for stats in files.values()):  # type: ignore[operator]
+            raise ValueError("a trailer offset outside its file")
+    else:
+        files = {
+            name: FileStats(int(stats["size"]), EncodedItems(name, stats["items"], checksum))
+            for name, stats in body["files"].items()
+        }
     return Manifest(
         str(body["save_id"]),
         checksum,

@@ -17,7 +17,7 @@ import contextlib
 import dataclasses
 import io
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, BinaryIO
 
 import torch
@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, Tenso
 from ..errors import CheckpointCorruptError
 from ..storage.base import Store, checked_name
 from .checksums import CHECKSUMS, HOT_SLICE, checksum_of
+from .file_sums import read_file_sums
 from .manifest import V1_CHECKSUM, FileStats, ItemChecksums, Manifest
 from .torch_file import tensor_from_payload
 
@@ -51,13 +52,26 @@ class VerifiedReads:
             )
         if self.manifest is None:
             return
-        item = self.manifest.files[name].items.get(info.offset)
+        item = self.file_items(name).get(info.offset)
         view = memoryview(data)
-        if item is None or any(
+        if item is None or item.length != info.length or any(
             checksum_of(self.manifest.checksum, view[start : start + length]) != expected
             for (start, length), expected in zip(item.segments(), item.checksums)
         ):
             self._raise_mismatch(info, fqn)
+
+    def file_items(self, name: str, stream: BinaryIO | None = None) -> Mapping[int, ItemChecksums]:
+        """The checksummed items of data file ``name``; from its trailer (manifest version 4),
+        read the first time they are asked for, through ``stream`` when given (a reader's
+        open stream over the file: no second connection); two threads may both read it."""
+        assert self.manifest is not None
+        stats = self.manifest.files[name]
+        if stats.items is None:
+            with contextlib.ExitStack() as stack:
+                if stream is None:
+                    stream = stack.enter_context(self.store.open_read(checked_name(name)))
+                stats.items = read_file_sums(stream, name, stats, self.manifest.checksum, self.manifest.save_id)
+        return stats.items
 
     def read_item(self, index: MetadataIndex, stream: BinaryIO | None = None) -> bytes:
         """The verified bytes of one stored item (a ``torch.save`` payload or raw bytes)."""
@@ -77,7 +91,11 @@ class VerifiedReads:
         if self.manifest is None:
             return None
         info = self.metadata.storage_data[index]
-        item = self.manifest.files[info.relative_path].items.get(info.offset)
+        item = self.file_items(info.relative_path).get(info.offset)
+        if item is not None and item.length != info.length:
+            raise CheckpointCorruptError(
+                f"{self.store.url}/{info.relative_path}: {index.fqn} does not match its file's checksums"
+            )
         return item if item is not None and item.block > 0 else None
 
     def verify_frame(
@@ -172,23 +190,39 @@ class VerifiedReads:
         for name, stats in sorted(self.manifest.files.items()):
             try:
                 with self.store.open_read(checked_name(name)) as stream:
-                    problem = verify_stream(stream, stats, self.manifest.checksum, progress)
+                    problem = verify_stream(stream, name, stats, self.manifest.checksum, progress, self.manifest.save_id)
             except FileNotFoundError:
                 problem = "missing"
+            except CheckpointCorruptError as exc:  # its trailer
+                problem = str(exc)
             if problem:
                 problems.append(f"{name}: {problem}")
         return problems
 
 
 def verify_stream(
-    stream: BinaryIO, stats: FileStats, kind: str, progress: Callable[[int], Any] | None = None
+    stream: BinaryIO,
+    name: str,
+    stats: FileStats,
+    kind: str,
+    progress: Callable[[int], Any] | None = None,
+    save_id: str = "",
 ) -> str | None:
-    """What is wrong with a data file read from ``stream`` (None: nothing). Reads it once,
-    checking its size and the checksum of every segment of every item (they tile the file),
-    and the whole-file CRC-32 that the oldest manifests carry."""
+    """What is wrong with data file ``name`` read from ``stream`` (None: nothing). Reads it once,
+    checking its size and the checksum of every segment of every item (they tile the file up
+    to its trailer, if any), and the whole-file CRC-32 that the oldest manifests carry. A file
+    whose checksums are in its trailer (``save_id`` given) needs a seekable ``stream``: the
+    trailer is read first."""
+    items = stats.items
+    covered = stats.size
+    if stats.sums_at is not None:
+        covered = stats.sums_at
+        if items is None:
+            items = read_file_sums(stream, name, stats, kind, save_id)
+            stream.seek(0)
     segments = []
     end = 0
-    for offset, item in sorted(stats.items.items()):
+    for offset, item in sorted((items or {}).items()):
         if offset != end:
             return f"manifest items leave bytes {end}..{offset} uncovered"
         segments += [
@@ -196,8 +230,8 @@ def verify_stream(
             for (start, length), expected in zip(item.segments(), item.checksums)
         ]
         end = offset + item.length
-    if end != stats.size:
-        return f"manifest items cover {end} bytes of {stats.size}"
+    if end != covered:
+        return f"manifest items cover {end} bytes of {covered}"
     segment_kind, whole_file = CHECKSUMS[kind], CHECKSUMS[V1_CHECKSUM].new()
     digest = segment_kind.new()
     pending = iter(segments)

@@ -11,6 +11,8 @@ checkpoint the newest one there.
 
 from __future__ import annotations
 
+import dataclasses
+
 import functools
 import logging
 import os
@@ -20,7 +22,8 @@ from ..agreement import agree, decided
 from ..commit import commit
 from ..errors import CheckpointCorruptError, CheckpointExistsError, StorageError
 from ..format.layout import METADATA, data_file_name
-from ..format.manifest import FileStats
+from ..format.file_sums import read_file_sums
+from ..format.manifest import Manifest
 from ..format.verified_read import verify_stream
 from ..manager import CheckpointManager
 from ..storage.base import Store
@@ -48,10 +51,17 @@ class _CopyingReader:
         return data
 
 
-def _upload(store: Store, path: str, name: str, stats: FileStats, checksum: str) -> None:
+def _upload(store: Store, path: str, name: str, manifest: Manifest) -> None:
+    stats = manifest.files[name]
+    if stats.items is None:  # in the file's trailer: read first, as the copy cannot seek
+        with open(path, "rb") as source:
+            stats = dataclasses.replace(
+                stats, items=read_file_sums(source, name, stats, manifest.checksum, manifest.save_id)
+            )
+
     def attempt() -> None:
         with open(path, "rb") as source, store.open_write(name) as sink:
-            problem = verify_stream(_CopyingReader(source, sink), stats, checksum)  # type: ignore[arg-type]
+            problem = verify_stream(_CopyingReader(source, sink), name, stats, manifest.checksum)  # type: ignore[arg-type]
             if problem is not None:  # the stream is dropped, not committed
                 raise CheckpointCorruptError(f"{path}: {problem}; not copied to {store.url}")
 
@@ -90,7 +100,7 @@ def promote_step(
     problem: Exception | None = None
     if mine in manifest.files:
         try:
-            _upload(store, os.path.join(tier.step_dir(step), mine), mine, manifest.files[mine], manifest.checksum)
+            _upload(store, os.path.join(tier.step_dir(step), mine), mine, manifest)
         except Exception as exc:
             problem = exc
     agree(

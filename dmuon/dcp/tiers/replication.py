@@ -72,7 +72,7 @@ def _settle(recv: Incoming, name: str, commit: CommitCopy) -> str | None:
     if problem is None:
         manifest = commit.manifest()
         with open(recv.path, "rb") as stream:
-            found = verify_stream(stream, manifest.files[name], manifest.checksum)
+            found = verify_stream(stream, name, manifest.files[name], manifest.checksum, save_id=manifest.save_id)
         if found is not None:
             problem = f"{name} from rank {recv.peer} arrived damaged: {found}"
     if problem is None:
