@@ -4,6 +4,7 @@ import io
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 import dmuon.dcp as ddcp
 from dmuon.dcp.checkpoint import open_checkpoint
@@ -51,5 +52,7 @@ def test_a_damaged_trailer_is_reported_by_verify_and_refused_by_a_load(tmp_path)
     path.write_bytes(bytes(data))
     [problem] = open_checkpoint(str(tmp_path)).verify_files()
     assert problem.startswith(f"{name}: the checksum trailer of {name}"), problem
-    with pytest.raises(Exception, match="checksum trailer"):  # (torch's CheckpointException wraps it)
+    with pytest.raises(CheckpointException) as raised:  # (torch's, around dmuon's error)
         dcp.load({k: torch.zeros_like(v) for k, v in saved.items()}, storage_reader=ddcp.DMuonStorageReader(str(tmp_path)))
+    [(error, _)] = raised.value.failures.values()
+    assert isinstance(error, ddcp.CheckpointCorruptError) and "checksum trailer" in str(error)
