@@ -21,10 +21,17 @@ from typing import Any, BinaryIO, TypeVar, cast
 import fsspec
 
 from .base import checked_name
-from .retry import RetryPolicy, endpoint_unreachable, exception_chain, storage_errors
+from .retry import RetryPolicy, endpoint_unreachable, exception_chain, storage_errors, throttled
 from .s3_transfer import S3ParallelReader, S3ParallelWriter
 
-__all__ = ["S3_REQUEST_RETRIES", "FsspecStore", "open_fsspec_store"]
+__all__ = [
+    "DEADLINE_OPTION",
+    "DEADLINE_VARIABLE",
+    "DEFAULT_DEADLINE_S",
+    "S3_REQUEST_RETRIES",
+    "FsspecStore",
+    "open_fsspec_store",
+]
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +60,28 @@ _S3 = ("s3", "s3a")
 
 
 S3_REQUEST_RETRIES = {"mode": "standard", "max_attempts": 3}
+
+#: the storage option, and the environment variable, that set how long an operation may keep
+#: retrying (throttling answers above all); the option wins
+DEADLINE_OPTION = "retry_deadline_s"
+DEADLINE_VARIABLE = "DMUON_STORAGE_DEADLINE_S"
+DEFAULT_DEADLINE_S = 600.0
+
+
+def _retry_policy(url: str, options: dict) -> tuple[RetryPolicy, dict]:
+    """The store's retry policy, with the deadline taken from ``options`` (removed from what
+    goes to fsspec) or the environment; and the remaining options."""
+    options = dict(options)
+    value, where = options.pop(DEADLINE_OPTION, None), f"storage option {DEADLINE_OPTION}"
+    if value is None:
+        value, where = os.environ.get(DEADLINE_VARIABLE) or None, DEADLINE_VARIABLE
+    try:
+        deadline = DEFAULT_DEADLINE_S if value is None else float(value)
+    except (TypeError, ValueError):
+        deadline = -1.0
+    if not deadline > 0:
+        raise ValueError(f"{url}: {where}={value!r}: want a number of seconds above 0")
+    return RetryPolicy(attempts=4, backoff_s=0.5, deadline_s=deadline), options
 
 
 # S3_REQUEST_RETRIES's keys -> where botocore reads them otherwise (environment, config file)
@@ -130,8 +159,12 @@ def _client_errors(what: str) -> Callable[[F], F]:
         @functools.wraps(method)
         def wrapper(self: FsspecStore, *args: Any, **kwargs: Any) -> Any:
             where = f"{self.url}/{args[0]}" if args and isinstance(args[0], str) else self.url
-            with storage_errors(where, what):
-                return method(self, *args, **kwargs)
+
+            def call() -> Any:
+                with storage_errors(where, what):
+                    return method(self, *args, **kwargs)
+
+            return throttled(where, what, self.retry, call)
 
         return cast(F, wrapper)
 
@@ -142,28 +175,31 @@ class FsspecStore:
     """Any fsspec filesystem. Objects appear whole on close; fsync would add nothing there.
 
     Every operation lets the client's own exceptions out as a ``StorageError`` naming the URL,
-    the original as its cause (``retry.storage_errors``); ``OSError``s pass as they are."""
+    the original as its cause (``retry.storage_errors``); ``OSError``s pass as they are. A
+    throttling answer is retried with backoff until the deadline (``retry_deadline_s``, default
+    :data:`DEFAULT_DEADLINE_S`), then a ``DeadlinePassed`` names the server's last answer."""
 
-    retry = RetryPolicy(attempts=4, backoff_s=0.5)
+    retry = RetryPolicy(attempts=4, backoff_s=0.5, deadline_s=DEFAULT_DEADLINE_S)
 
     def __init__(self, url: str, storage_options: dict | None = None) -> None:
+        policy, options = _retry_policy(url, storage_options or {})
         with storage_errors(url, "opening the store"):
-            options = _unsigned_s3_payloads(url, _bounded_s3_retries(url, storage_options or {}))
+            options = _unsigned_s3_payloads(url, _bounded_s3_retries(url, options))
             fs, path = _filesystem(url, options)
-        self._attach(fs, path.rstrip("/"), url.rstrip("/"))
+        self._attach(fs, path.rstrip("/"), url.rstrip("/"), policy)
 
-    def _attach(self, fs, root: str, url: str) -> None:
-        self.fs, self.root, self.url = fs, root, url
+    def _attach(self, fs, root: str, url: str, retry: RetryPolicy) -> None:
+        self.fs, self.root, self.url, self.retry = fs, root, url, retry
         protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
         self.protocols = set(protocols)
         # s3fs's files send one request at a time; keep several in flight instead
         self.parallel_s3 = bool(self.protocols & set(_S3)) and hasattr(fs, "call_s3")
 
     @classmethod
-    def _on(cls, fs, root: str, url: str) -> FsspecStore:
+    def _on(cls, fs, root: str, url: str, retry: RetryPolicy) -> FsspecStore:
         """A store on an already connected filesystem (a child directory)."""
         store = cls.__new__(cls)
-        store._attach(fs, root, url)
+        store._attach(fs, root, url, retry)
         return store
 
     def _path(self, name: str) -> str:
@@ -199,7 +235,11 @@ class FsspecStore:
     def open_write(self, name: str) -> Iterator[BinaryIO]:
         path = self._path(name)
         with storage_errors(f"{self.url}/{name}", "opening for writing"):
-            f: Any = S3ParallelWriter(self.fs, path) if self.parallel_s3 else self.fs.open(path, "wb")
+            f: Any = (
+                S3ParallelWriter(self.fs, path, retry=self.retry, url=f"{self.url}/{name}")
+                if self.parallel_s3
+                else self.fs.open(path, "wb")
+            )
         try:
             yield f
             with storage_errors(f"{self.url}/{name}", "writing"):
@@ -227,7 +267,8 @@ class FsspecStore:
         # instead of one request per item (gcsfs's default makes hundreds per file).
         path = self._path(name)
         if self.parallel_s3:
-            return cast(BinaryIO, S3ParallelReader(self.fs, path, self.fs.size(path)))
+            size = self.fs.size(path)
+            return cast(BinaryIO, S3ParallelReader(self.fs, path, size, retry=self.retry, url=f"{self.url}/{name}"))
         return self.fs.open(path, "rb", block_size=READ_BLOCK, cache_type="readahead")
 
     @_client_errors("reading")
@@ -281,7 +322,7 @@ class FsspecStore:
         return self.fs.modified(self._path(name)).timestamp()
 
     def child(self, name: str) -> FsspecStore:
-        return FsspecStore._on(self.fs, self._path(name), f"{self.url}/{checked_name(name)}")
+        return FsspecStore._on(self.fs, self._path(name), f"{self.url}/{checked_name(name)}", self.retry)
 
     @_client_errors("listing")
     def list_dirs(self) -> builtins.list[str]:

@@ -25,9 +25,14 @@ import base64
 import collections
 import contextlib
 import threading
+import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, TypeVar
 
 import crc32c
+
+from .retry import RetryPolicy, current_deadline, throttled
 
 __all__ = [
     "S3_MAX_OBJECT_BYTES",
@@ -70,6 +75,27 @@ def _bucket_and_key(path: str) -> tuple[str, str]:
     return bucket, key
 
 
+T = TypeVar("T")
+
+
+class _Requests:
+    """One stream's requests: each sent again, with backoff, while S3 answers that it is
+    throttling (``retry.throttled``), until the deadline of the operation that opened the
+    stream (or ``policy.deadline_s`` from its opening). Without a policy, sent once (s3fs and
+    botocore still retry as they do)."""
+
+    def __init__(self, url: str, policy: RetryPolicy | None) -> None:
+        self.url, self.policy = url, policy
+        self.deadline = current_deadline()
+        if self.deadline is None and policy is not None and policy.deadline_s is not None:
+            self.deadline = time.monotonic() + policy.deadline_s
+
+    def __call__(self, what: str, fn: Callable[[], T]) -> T:
+        if self.policy is None:
+            return fn()
+        return throttled(self.url, what, self.policy, fn, deadline=self.deadline)
+
+
 class S3ParallelWriter:
     """A write-only stream that becomes the object ``path`` on ``close()``.
 
@@ -84,10 +110,15 @@ class S3ParallelWriter:
         part_bytes: int = S3_PART_BYTES,
         concurrency: int = S3_UPLOAD_CONCURRENCY,
         parts_per_size: int = PARTS_PER_SIZE,
+        *,
+        retry: RetryPolicy | None = None,
+        url: str | None = None,
     ):
         """``part_bytes``: the first parts' size; it doubles every ``parts_per_size`` parts
-        (:func:`part_bytes_for`)."""
+        (:func:`part_bytes_for`). ``retry``: a throttled request is sent again as it says
+        (``url`` names the object in the error when its deadline passes)."""
         self.fs, self.path = fs, path
+        self._requests = _Requests(url or f"s3://{path}", retry)
         self.bucket, self.key = _bucket_and_key(path)
         self.part_bytes, self.concurrency, self.parts_per_size = part_bytes, concurrency, parts_per_size
         self.closed = False
@@ -129,9 +160,7 @@ class S3ParallelWriter:
 
     def _send(self, part: bytearray) -> None:
         if self._upload_id is None:
-            started = self.fs.call_s3(
-                "create_multipart_upload", Bucket=self.bucket, Key=self.key, ChecksumAlgorithm="CRC32C"
-            )
+            started = self._call("starting the upload", "create_multipart_upload", ChecksumAlgorithm="CRC32C")
             self._upload_id = started["UploadId"]
             self._pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="dmuon-s3-upload")
         assert self._pool is not None
@@ -142,10 +171,9 @@ class S3ParallelWriter:
 
     def _upload_part(self, number: int, part: bytearray) -> None:
         checksum = part_checksum(part)
-        answer = self.fs.call_s3(
+        answer = self._call(
+            f"uploading part {number}",
             "upload_part",
-            Bucket=self.bucket,
-            Key=self.key,
             PartNumber=number,
             UploadId=self._upload_id,
             Body=part,
@@ -153,15 +181,17 @@ class S3ParallelWriter:
         )
         self._etags[number] = (answer["ETag"], checksum)
 
+    def _call(self, what: str, method: str, **kwargs: Any) -> Any:
+        """``method`` on this object, sent again while throttled (``_Requests``)."""
+        return self._requests(what, lambda: self.fs.call_s3(method, Bucket=self.bucket, Key=self.key, **kwargs))
+
     def close(self) -> None:
         if self.closed:
             return
         try:
             if self._upload_id is None:
                 body = bytes(self._part)
-                self.fs.call_s3(
-                    "put_object", Bucket=self.bucket, Key=self.key, Body=body, ChecksumCRC32C=part_checksum(body)
-                )
+                self._call("writing", "put_object", Body=body, ChecksumCRC32C=part_checksum(body))
             else:
                 if self._part:
                     self._send(self._part)
@@ -173,10 +203,9 @@ class S3ParallelWriter:
                     {"PartNumber": n, "ETag": etag, "ChecksumCRC32C": checksum}
                     for n, (etag, checksum) in sorted(self._etags.items())
                 ]
-                self.fs.call_s3(
+                self._call(
+                    "completing the upload",
                     "complete_multipart_upload",
-                    Bucket=self.bucket,
-                    Key=self.key,
                     UploadId=self._upload_id,
                     MultipartUpload={"Parts": parts},
                 )
@@ -231,9 +260,18 @@ class S3ParallelReader:
     """
 
     def __init__(
-        self, fs, path: str, size: int, block_bytes: int = S3_PART_BYTES, concurrency: int = S3_UPLOAD_CONCURRENCY
+        self,
+        fs,
+        path: str,
+        size: int,
+        block_bytes: int = S3_PART_BYTES,
+        concurrency: int = S3_UPLOAD_CONCURRENCY,
+        *,
+        retry: RetryPolicy | None = None,
+        url: str | None = None,
     ):
         self.fs, self.path, self.size = fs, path, size
+        self._requests = _Requests(url or f"s3://{path}", retry)
         self.block_bytes, self.concurrency = block_bytes, concurrency
         self.closed = False
         self._position = 0
@@ -276,7 +314,7 @@ class S3ParallelReader:
         self._schedule()
 
     def _fetch(self, start: int, end: int) -> bytes:
-        data = self.fs.cat_file(self.path, start=start, end=end)
+        data = self._requests(f"reading bytes {start}-{end}", lambda: self.fs.cat_file(self.path, start=start, end=end))
         with self._count_lock:
             self.bytes_fetched += len(data)
         return data
