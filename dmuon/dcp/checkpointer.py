@@ -25,11 +25,9 @@ from typing import cast
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
 from .. import exit_guard
 from ..optim.muon import Muon
@@ -39,11 +37,13 @@ from .errors import CheckpointError, from_checkpoint_exception
 from .gc_pause import paused_gc
 from .hf import is_safetensors_checkpoint, load_safetensors
 from .load_planner import DMuonLoadPlanner
+from .load_protocol import run_load
 from .operation import load_state, open_once, run_checkpoint_op
 from .plan_cache import SavePlanCache
 from .rank_failure import Phases
 from .reader import DMuonStorageReader
 from .save_planner import DMuonSavePlanner
+from .save_protocol import run_save
 from .writer import DMuonStorageWriter
 
 __all__ = ["AsyncCheckpointer", "Checkpointer", "SaveHandle", "model_checkpointer"]
@@ -154,10 +154,10 @@ class Checkpointer:
         try:
             with paused_gc():
                 run_checkpoint_op(
-                    dcp.save,
+                    run_save,
                     state,
-                    storage_writer=writer,
-                    planner=planner,
+                    writer,
+                    planner,
                     what=f"save to {checkpoint_id}",
                     phases=phases,
                     consequence="nothing was committed",
@@ -209,10 +209,10 @@ class Checkpointer:
         reader.phases = phases
         with paused_gc():
             run_checkpoint_op(
-                dcp.load,
+                run_load,
                 state,
-                storage_reader=reader,
-                planner=planner,
+                reader,
+                planner,
                 what=f"load from {checkpoint_id}",
                 phases=phases,
                 consequence="the model and optimizer may be partly loaded: load again",
@@ -307,17 +307,23 @@ class AsyncCheckpointer(Checkpointer):
         if self._stager is None:
             self._stager = DefaultStager(_staging_options())
         try:
-            response = dcp.async_save(
-                state, storage_writer=writer, planner=planner, process_group=group, async_stager=self._stager
-            )
+            staged = self._stager.stage(state)
         except BaseException:
             self.plan_cache.clear()  # starting failed on every rank
             raise
+        copied = _copied(staged)
         # the copy to host memory runs in the background (lazy snapshot, dmuon/snapshot.py):
         # what would change the state in place (Muon.step, a load) waits for it first
-        assert isinstance(response, AsyncSaveResponse)
-        track_snapshot(model, response.staging_completion)
-        handle = SaveHandle(checkpoint_id, response.upload_completion, copied=response.staging_completion)
+        track_snapshot(model, copied)
+
+        def write() -> None:
+            copy = staged.result() if isinstance(staged, concurrent.futures.Future) else staged
+            run_save(copy, writer, planner, group)
+
+        executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="dmuon-async-save")
+        written = executor.submit(write)
+        written.add_done_callback(lambda _: executor.shutdown(wait=False))
+        handle = SaveHandle(checkpoint_id, written, copied=copied)
         exit_guard.guard_signals()
         return handle
 
@@ -329,6 +335,24 @@ class AsyncCheckpointer(Checkpointer):
             if self._stager is not None:
                 self._stager.close()
                 self._stager = None
+
+
+def _copied(staged) -> concurrent.futures.Future:
+    """Done (or failed) when the stager's copy is: what the snapshot window waits for."""
+    copied: concurrent.futures.Future = concurrent.futures.Future()
+    if not isinstance(staged, concurrent.futures.Future):
+        copied.set_result(None)
+        return copied
+
+    def done(future: concurrent.futures.Future) -> None:
+        error = future.exception()
+        if error is None:
+            copied.set_result(None)
+        else:
+            copied.set_exception(error)
+
+    staged.add_done_callback(done)
+    return copied
 
 
 _CHECKPOINTER_ATTR = "_dmuon_async_checkpointer"

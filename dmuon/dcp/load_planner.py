@@ -150,6 +150,17 @@ class DMuonLoadPlanner(DefaultLoadPlanner):
         plan = create_default_local_load_plan(fitting, self.checkpoint, strict=True)
         return dataclasses.replace(plan, planner_data=_Findings(list(problems.values()), unexplained))
 
+    def needs_global_check(self, plan: LoadPlan) -> bool:
+        """Must the coordinator see every rank's plan to judge it? Only where this rank found a
+        problem or a checkpoint key it cannot explain (another rank may hold it); otherwise
+        every rank's plan is valid on its own and needs no gather (``load_protocol.py``)."""
+        found = plan.planner_data
+        return isinstance(found, _Findings) and bool(found.problems or found.unexplained)
+
+    def local_final_plan(self, plan: LoadPlan) -> LoadPlan:
+        """This rank's plan as the coordinator would return it, when nothing needs checking."""
+        return dataclasses.replace(plan, planner_data=None)
+
     def create_global_plan(self, global_plan: list[LoadPlan]) -> list[LoadPlan]:
         """Every rank's problems, and the keys of a checked section that no rank holds or
         knows (the model is not the one saved), in one error before anything is read."""

@@ -80,11 +80,53 @@ class SavePlanCache:
     local_hits: int = 0
     global_hits: int = 0
 
+    # what the previous save wrote: this rank's items (index, offset, length) and its data
+    # file's (size, trailer offset), to tell whether this save wrote the same layout
+    written: tuple | None = None
+    # coordinator only: every rank's, to commit a save that wrote the same without asking
+    rank_files: list[tuple[tuple, tuple[int, int | None] | None]] | None = None
+
     def clear(self) -> None:
         self.token = None
         self.local_plan = self.final_plan = None
         self.all_local_plans = self.global_plans = None
         self.metadata = None
+        self.written = self.rank_files = None
+
+    # --- a save with no gather (save_protocol.py) ------------------------------------------------
+    def token_number(self) -> int:
+        """The cache token as a number the ranks can compare in an all-reduce (-1: none)."""
+        return int(self.token[:15], 16) if self.token else -1
+
+    def reuses_all(self, local: SavePlan | None) -> bool:
+        """Is ``local`` (what this rank's planner offers) the marker of the cached plan, and
+        does this rank hold what a save without a gather needs?"""
+        return (
+            local is not None
+            and not local.usable
+            and bool(self.token)
+            and getattr(local, "reuses", "") == self.token
+            and self.final_plan is not None
+            and self.written is not None
+        )
+
+    def reused_final(self, storage_data) -> SavePlan:
+        """What the coordinator would have sent for a save that reuses everything."""
+        assert self.token is not None
+        return dataclasses.replace(_marker(self.token, self.token), storage_data=storage_data)
+
+    def remember_written(self, written: tuple) -> None:
+        self.written = written
+
+    def remember_rank_files(self, rank_files: list[tuple[tuple, tuple[int, int | None] | None]]) -> None:
+        self.rank_files = rank_files
+
+    def reused_commit(self) -> tuple[Metadata, list[tuple[tuple, tuple[int, int | None] | None]]]:
+        """Coordinator: the metadata and every rank's items and file of the cached layout."""
+        if self.metadata is None or self.rank_files is None:
+            raise PlanCacheError("the coordinator's SavePlanCache holds no committed layout; clear() it on every rank")
+        self.global_hits += 1
+        return dataclasses.replace(self.metadata), self.rank_files
 
     # --- every rank -----------------------------------------------------------------------------
     def offer_local(self, plan: SavePlan) -> SavePlan:

@@ -123,6 +123,14 @@ class DMuonStorageReader(StorageReader):
             ]
         return assign_readers(plans, self._stored_dtypes(), self._listing().metadata.storage_data, nodes)
 
+    def wants_global_plan(self) -> bool | None:
+        """Does a load need every rank's plan on the coordinator (a cooperative assignment of
+        readers)? None: only if the ranks are on more than one machine (``load_protocol.py``)."""
+        setting = cooperative_setting(self.cooperative)
+        if setting is False:
+            return False
+        return None if self._exchange_across_nodes_only() else True
+
     def _exchange_across_nodes_only(self) -> bool:
         """The default on a local path: ranks of one machine each read a shared region (the
         page cache serves all but the first), only other machines' ranks receive it."""

@@ -14,7 +14,7 @@ import dataclasses
 import io
 import os
 import pickle
-import uuid
+import secrets
 from typing import Any, BinaryIO
 
 import torch
@@ -40,11 +40,22 @@ from .storage.base import BorrowingStream, Store
 from .storage.registry import open_store
 from .storage.retry import retrying
 
-__all__ = ["FILE_STATS_KEY", "DMuonStorageWriter", "split_write_results"]
+__all__ = ["FILE_STATS_KEY", "DMuonStorageWriter", "new_save_id", "plan_storage_data", "split_write_results"]
 
 #: The key of the write result that carries a data file's size and trailer offset to the
 #: coordinator (not a state-dict key: the prefix cannot come out of DCP's flattening).
 FILE_STATS_KEY = "__dmuon_file_stats__"
+
+
+def new_save_id() -> str:
+    """A save's random id: 16 hex digits of 62 random bits (every save's files get new names;
+    the number fits the signed 64-bit integer a save's all-reduce carries it in)."""
+    return f"{secrets.randbits(62):016x}"
+
+
+def plan_storage_data(rank: int, save_id: str) -> dict[str, str]:
+    """What a rank's final save plan tells this writer: the save and the rank's data file."""
+    return {"save_id": save_id, "file": data_file_name(rank, save_id)}
 
 
 def split_write_results(results) -> tuple[dict[MetadataIndex, Any], dict[str, FileStats]]:
@@ -220,10 +231,9 @@ class DMuonStorageWriter(StorageWriter):
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        save_id = uuid.uuid4().hex[:16]
+        save_id = new_save_id()
         return [
-            dataclasses.replace(plan, storage_data={"save_id": save_id, "file": data_file_name(rank, save_id)})
-            for rank, plan in enumerate(plans)
+            dataclasses.replace(plan, storage_data=plan_storage_data(rank, save_id)) for rank, plan in enumerate(plans)
         ]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
@@ -290,7 +300,7 @@ class DMuonStorageWriter(StorageWriter):
         if self.phases is not None:
             self.phases.enter("committing")
         store = self._store()
-        save_id = self.save_id or uuid.uuid4().hex[:16]
+        save_id = self.save_id or new_save_id()
         metadata.version = compat.CURRENT_DCP_VERSION  # what torch's own writers record
         metadata.storage_data = storage_data
         metadata.storage_meta = StorageMeta(checkpoint_id=str(store.url), save_id=save_id)

@@ -1,5 +1,6 @@
 """Rewriting a committed checkpoint's ``.metadata`` the way an attacker (or another Python) would:
 with a checksum manifest that vouches for the new bytes, so only the loader's own checks stand."""
+
 from __future__ import annotations
 
 import os

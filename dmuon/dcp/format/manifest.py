@@ -55,10 +55,10 @@ __all__ = [
     "Manifest",
     "block_size_for",
     "checked_line",
-    "encode_items",
-    "parse_checked_line",
     "decode_manifest",
+    "encode_items",
     "encode_manifest",
+    "parse_checked_line",
 ]
 
 MANIFEST_V1 = "dmuon-manifest/1"

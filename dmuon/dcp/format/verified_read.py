@@ -54,9 +54,13 @@ class VerifiedReads:
             return
         item = self.file_items(name).get(info.offset)
         view = memoryview(data)
-        if item is None or item.length != info.length or any(
-            checksum_of(self.manifest.checksum, view[start : start + length]) != expected
-            for (start, length), expected in zip(item.segments(), item.checksums)
+        if (
+            item is None
+            or item.length != info.length
+            or any(
+                checksum_of(self.manifest.checksum, view[start : start + length]) != expected
+                for (start, length), expected in zip(item.segments(), item.checksums)
+            )
         ):
             self._raise_mismatch(info, fqn)
 
@@ -190,7 +194,9 @@ class VerifiedReads:
         for name, stats in sorted(self.manifest.files.items()):
             try:
                 with self.store.open_read(checked_name(name)) as stream:
-                    problem = verify_stream(stream, name, stats, self.manifest.checksum, progress, self.manifest.save_id)
+                    problem = verify_stream(
+                        stream, name, stats, self.manifest.checksum, progress, self.manifest.save_id
+                    )
             except FileNotFoundError:
                 problem = "missing"
             except CheckpointCorruptError as exc:  # its trailer

@@ -12,7 +12,6 @@ checkpoint the newest one there.
 from __future__ import annotations
 
 import dataclasses
-
 import functools
 import logging
 import os
@@ -21,8 +20,8 @@ from typing import BinaryIO
 from ..agreement import agree, decided
 from ..commit import commit
 from ..errors import CheckpointCorruptError, CheckpointExistsError, StorageError
-from ..format.layout import METADATA, data_file_name
 from ..format.file_sums import read_file_sums
+from ..format.layout import METADATA, data_file_name
 from ..format.manifest import Manifest
 from ..format.verified_read import verify_stream
 from ..manager import CheckpointManager

@@ -1,4 +1,5 @@
 """A data file's checksum trailer (manifest version 4): intact, of its file, of its save."""
+
 import io
 
 import pytest
@@ -36,8 +37,9 @@ def test_a_trailer_must_start_where_the_items_end():
     with pytest.raises(ddcp.CheckpointCorruptError, match="end at byte 40"):
         read_file_sums(stream, "f", FileStats(41 + len(trailer), None, sums_at=41), "xxh3-64", "abc")
     with pytest.raises(ddcp.CheckpointCorruptError, match="truncated"):
-        read_file_sums(io.BytesIO(b"x" * 40 + trailer[:-3]), "f", FileStats(40 + len(trailer), None, sums_at=40),
-                       "xxh3-64", "abc")
+        read_file_sums(
+            io.BytesIO(b"x" * 40 + trailer[:-3]), "f", FileStats(40 + len(trailer), None, sums_at=40), "xxh3-64", "abc"
+        )
 
 
 def test_a_damaged_trailer_is_reported_by_verify_and_refused_by_a_load(tmp_path):
@@ -53,6 +55,8 @@ def test_a_damaged_trailer_is_reported_by_verify_and_refused_by_a_load(tmp_path)
     [problem] = open_checkpoint(str(tmp_path)).verify_files()
     assert problem.startswith(f"{name}: the checksum trailer of {name}"), problem
     with pytest.raises(CheckpointException) as raised:  # (torch's, around dmuon's error)
-        dcp.load({k: torch.zeros_like(v) for k, v in saved.items()}, storage_reader=ddcp.DMuonStorageReader(str(tmp_path)))
+        dcp.load(
+            {k: torch.zeros_like(v) for k, v in saved.items()}, storage_reader=ddcp.DMuonStorageReader(str(tmp_path))
+        )
     [(error, _)] = raised.value.failures.values()
     assert isinstance(error, ddcp.CheckpointCorruptError) and "checksum trailer" in str(error)

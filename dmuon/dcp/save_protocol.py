@@ -1,0 +1,189 @@
+"""How the ranks of one save coordinate: the full rounds for a new layout, almost none after.
+
+torch's ``dcp.save`` gathers every rank's local plan on the coordinator and scatters the final
+plans back, then gathers every rank's write results and broadcasts the whole ``.metadata`` to
+every rank. What goes through the coordinator grows with ranks x items, at every save. A
+training job saves the same layout again and again, and after the first save its ranks already
+know everything those rounds would tell them. :func:`run_save` drives dmuon's planner and writer
+itself and, when every rank's :class:`~.plan_cache.SavePlanCache` holds the previous save's plans
+and this save's plan equals them (a *steady* save), coordinates with two all-reduces of a few
+integers and one broadcast of a few bytes:
+
+1. all-reduce: did any rank fail to plan; does any rank's plan differ from its cached one; do
+   all ranks hold the same cache token (its maximum and minimum); and the coordinator's new
+   save id (the other ranks offer -1);
+2. each rank writes its data file under the new id's name, its checksums in the file's trailer
+   (``format/file_sums.py``): nothing of them travels;
+3. all-reduce: did any rank fail to write, or write items at offsets and sizes other than its
+   previous save's (an object entry that grew);
+4. the coordinator commits (``commit.py``): the cached ``.metadata`` with the new file names and
+   a manifest of file sizes, then broadcasts the outcome.
+
+Where a rank wrote a different layout, step 4 gathers the write results (items and file sizes,
+no checksums) instead. A first save, or one whose plan changed, runs the full rounds: gather the
+plans (a rank whose plan did not change sends a marker), scatter the final plans, gather the
+results, broadcast the outcome. Only the coordinator ever holds the metadata.
+
+The commit protocol does not change: ``.metadata`` is written after every rank reported its
+bytes durable (the writer's file is closed, and fsynced on a local disk, before its rank takes
+part in step 3). A failure on any rank, at any step, is raised on every rank, as torch's
+``CheckpointException`` with every failed rank's error (gathered on that path only), and nothing
+is committed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from torch.distributed.checkpoint.planner import SavePlan
+from torch.distributed.checkpoint.storage import WriteResult
+
+from .. import compat
+from .format.layout import data_file_name
+from .format.manifest import FileStats
+from .plan_cache import SavePlanCache
+from .ranks import Ranks, raise_failures, wrapped
+from .save_planner import DMuonSavePlanner
+from .writer import FILE_STATS_KEY, DMuonStorageWriter, new_save_id, plan_storage_data, split_write_results
+
+__all__ = ["run_save"]
+
+#: what one rank wrote, as the next save compares it: its items ``(index, offset, length)`` and
+#: its data file's ``(size, trailer offset)`` (None: it wrote no file)
+Written = tuple[tuple, tuple[int, int | None] | None]
+
+
+def _written(results: list[WriteResult]) -> Written:
+    items, file = [], None
+    for result in results:
+        if result.index.fqn.startswith(FILE_STATS_KEY):
+            stats: FileStats = result.storage_data[1]
+            file = (stats.size, stats.sums_at)
+        else:
+            info = result.storage_data
+            items.append((result.index, info.offset, info.length))
+    return tuple(items), file
+
+
+def _renamed(rank_files: list[Written], save_id: str) -> tuple[dict, dict[str, FileStats]]:
+    """Where each item of the cached layout lies in the files of save ``save_id``."""
+    storage_data: dict = {}
+    files: dict[str, FileStats] = {}
+    for rank, (items, file) in enumerate(rank_files):
+        if file is None:
+            continue
+        name = data_file_name(rank, save_id)
+        files[name] = FileStats(file[0], None, sums_at=file[1])
+        for index, offset, length in items:
+            storage_data[index] = compat.StorageInfo(name, offset, length)
+    return storage_data, files
+
+
+def run_save(state: dict, writer: DMuonStorageWriter, planner: DMuonSavePlanner, group: Any = None) -> None:
+    """Collective: save ``state`` with dmuon's planner and writer (module docstring)."""
+    ranks = Ranks(group)
+    cache = planner.plan_cache
+    local: SavePlan | None = None
+    problem: BaseException | None = None
+    try:
+        planner.set_up_planner(state, storage_meta=writer.storage_meta(), is_coordinator=ranks.coordinator)
+        writer.set_up_storage_writer(ranks.coordinator, rank=ranks.rank, use_collectives=True)
+        local = writer.prepare_local_plan(planner.create_local_plan())
+    except Exception as exc:
+        problem = exc
+    steady = cache is not None and problem is None and cache.reuses_all(local)
+    token = cache.token_number() if cache is not None else -1
+    offered_id = int(new_save_id(), 16) if ranks.coordinator else -1
+    failed, differs, top, neg_bottom, save_id = ranks.max([problem is not None, not steady, token, -token, offered_id])
+    if failed:
+        ranks.raise_everyones(problem, "planning the save failed")
+    if not differs and top == -neg_bottom:
+        assert cache is not None
+        _steady_save(ranks, writer, planner, cache, f"{save_id:016x}")
+    else:
+        assert local is not None
+        _full_save(ranks, writer, planner, local)
+
+
+def _steady_save(
+    ranks: Ranks, writer: DMuonStorageWriter, planner: DMuonSavePlanner, cache: SavePlanCache, save_id: str
+) -> None:
+    problem: BaseException | None = None
+    results: list[WriteResult] = []
+    try:
+        final = planner.finish_plan(cache.reused_final(plan_storage_data(ranks.rank, save_id)))
+        results = writer.write_data(final, planner).wait()
+    except Exception as exc:
+        problem = exc
+    same = problem is None and _written(results) == cache.written
+    failed, changed = ranks.max([problem is not None, not same])
+    if failed:
+        ranks.raise_everyones(problem, "writing the save failed")
+    if changed:  # the coordinator learns the new layout; the plans stand
+        cached = cache.metadata
+        assert cached is not None or not ranks.coordinator
+        _commit_gathered(ranks, writer, cache, results, lambda: dataclasses.replace(cached))  # type: ignore[type-var]
+        return
+    outcome = None
+    if ranks.coordinator:
+        try:
+            metadata, rank_files = cache.reused_commit()
+            storage_data, files = _renamed(rank_files, save_id)
+            writer.commit_save(metadata, storage_data, files)
+        except Exception as exc:
+            outcome = {ranks.rank: wrapped(exc)}
+    raise_failures(ranks.broadcast(outcome) or {}, "committing the save failed")
+
+
+def _full_save(ranks: Ranks, writer: DMuonStorageWriter, planner: DMuonSavePlanner, local: SavePlan) -> None:
+    plans = ranks.gather(local)
+    outgoing: list[Any] | None = None
+    metadata = None
+    if ranks.coordinator:
+        assert plans is not None
+        try:
+            global_plans, metadata = planner.create_global_plan(plans)
+            outgoing = [(None, plan) for plan in writer.prepare_global_plan(global_plans)]
+        except Exception as exc:
+            outgoing = [(wrapped(exc), None)] * ranks.world
+    failure, received = ranks.scatter(outgoing)
+    if failure is not None:
+        raise_failures({0: failure}, "planning the save failed")
+    problem: BaseException | None = None
+    results: list[WriteResult] = []
+    try:
+        final = planner.finish_plan(received)
+        results = writer.write_data(final, planner).wait()
+    except Exception as exc:
+        problem = exc
+    _commit_gathered(ranks, writer, planner.plan_cache, results, lambda: metadata, problem)
+
+
+def _commit_gathered(
+    ranks: Ranks,
+    writer: DMuonStorageWriter,
+    cache: SavePlanCache | None,
+    results: list[WriteResult],
+    metadata_of,
+    problem: BaseException | None = None,
+) -> None:
+    """Gather every rank's write results (or failure); the coordinator commits; every rank
+    learns the outcome."""
+    everyone = ranks.gather((wrapped(problem), results if problem is None else None))
+    outcome = None
+    if ranks.coordinator:
+        assert everyone is not None
+        failures = {rank: failure for rank, (failure, _) in enumerate(everyone) if failure is not None}
+        if not failures:
+            try:
+                storage_data, files = split_write_results(r for _, rank_results in everyone for r in rank_results)
+                writer.commit_save(metadata_of(), storage_data, files)
+                if cache is not None:
+                    cache.remember_rank_files([_written(rank_results) for _, rank_results in everyone])
+            except Exception as exc:
+                failures = {ranks.rank: wrapped(exc)}
+        outcome = failures or None
+    raise_failures(ranks.broadcast(outcome) or {}, "the save failed")
+    if cache is not None:
+        cache.remember_written(_written(results))

@@ -1,0 +1,114 @@
+"""What a save and a load ask of the other ranks, counted from outside (issue 35, items 1-2).
+
+Every ``torch.distributed`` collective a rank calls is wrapped to record its name and the
+pickled size of what the rank puts in. A save of a layout saved before (the plan cache's case)
+must gather nothing: two all-reduces of a few integers and a broadcast of a few bytes; a load
+from a local path on one machine likewise; and what they write stays readable by torch's own
+reader.
+"""
+
+import os
+import pickle
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+import dmuon
+import dmuon.dcp as ddcp
+from dmuon.dcp.checkpoint import open_checkpoint
+from tests.helpers.launch import run_ranks
+from tests.helpers.setup import max_abs_diff
+from tests.helpers.training import build, train
+
+OBJECT_COLLECTIVES = ("gather_object", "scatter_object_list", "all_gather_object", "broadcast_object_list")
+TENSOR_COLLECTIVES = ("all_reduce", "gather", "scatter", "all_gather", "all_gather_into_tensor", "broadcast")
+
+
+def _count_collectives(log: list) -> None:
+    """Wrap this process's collectives: each call appends (name, pickled bytes put in)."""
+    import torch.distributed as dist
+
+    def wrap(name, original):
+        def call(*args, **kwargs):
+            size = 0
+            if name in ("gather_object", "all_gather_object"):
+                size = len(
+                    pickle.dumps(kwargs["obj"] if "obj" in kwargs else args[1 if name == "all_gather_object" else 0])
+                )
+            elif name in ("scatter_object_list", "broadcast_object_list"):
+                key = "scatter_object_input_list" if name == "scatter_object_list" else "object_list"
+                objects = kwargs.get(
+                    key, args[1] if name == "scatter_object_list" and len(args) > 1 else (args[0] if args else None)
+                )
+                size = len(pickle.dumps(objects)) if objects and any(o is not None for o in objects) else 0
+            log.append((name, size))
+            return original(*args, **kwargs)
+
+        return call
+
+    for name in OBJECT_COLLECTIVES + TENSOR_COLLECTIVES:
+        setattr(dist, name, wrap(name, getattr(dist, name)))
+
+
+def counted_worker(rank, world, root):
+    log: list = []
+    model, opt = build()
+    train(model, opt, rank, world, range(1))
+    checkpointer = ddcp.Checkpointer()
+    checkpointer.save(model, opt, f"{root}/first", extra={"note": "a"})
+    train(model, opt, rank, world, range(1, 2))
+    _count_collectives(log)
+    checkpointer.save(model, opt, f"{root}/steady", extra={"note": "b"})
+    steady = list(log)
+    expected = dmuon.get_model_state_dict(model, rank0_only=False)
+    log.clear()
+    checkpointer.save(model, opt, f"{root}/grown", extra={"note": "longer " * 200})
+    grown = list(log)
+    fresh, fresh_opt = build()
+    log.clear()
+    extra = checkpointer.load(fresh, fresh_opt, f"{root}/steady")
+    load = list(log)
+    diff = max_abs_diff(dmuon.get_model_state_dict(fresh, rank0_only=False), expected)
+    grown_extra = checkpointer.load(fresh, fresh_opt, f"{root}/grown")
+    checkpointer.close()
+    if rank == 0:
+        torch.save(expected, f"{root}/expected.pt")
+    return {
+        "steady": steady,
+        "grown": grown,
+        "load": load,
+        "diff": diff,
+        "extra": extra,
+        "grown_extra": grown_extra,
+        "hits": checkpointer.plan_cache.global_hits,
+    }
+
+
+def _names(calls):
+    return [name for name, _ in calls]
+
+
+def test_a_steady_save_and_a_load_gather_nothing_and_stay_readable_by_torch(tmp_path):
+    results = run_ranks(counted_worker, 4, str(tmp_path))
+    for rank, result in enumerate(results):
+        # the steady save: a few integers, twice, and the commit's outcome from the coordinator
+        assert _names(result["steady"]) == ["all_reduce", "all_reduce", "broadcast_object_list"], result["steady"]
+        if rank == 0:
+            assert result["steady"][2][1] < 64, result["steady"]  # (None: committed)
+        # an object entry that grew: the write results are gathered, no plan is
+        assert "scatter_object_list" not in _names(result["grown"]) and "gather_object" in _names(result["grown"])
+        # the load: open_once's broadcast of the small files, two all-reduces, no gather
+        assert not set(_names(result["load"])) & {"gather_object", "scatter_object_list", "all_gather_object"}
+        assert _names(result["load"]).count("broadcast_object_list") == 1, result["load"]
+        assert result["diff"] == 0.0 and result["extra"] == {"note": "b"}
+        assert result["grown_extra"] == {"note": "longer " * 200}
+    assert results[0]["hits"] == 1  # the coordinator reused the plans and metadata once
+    # torch's own reader reads the steady save (its data files end in checksum trailers)
+    listing = open_checkpoint(str(tmp_path / "steady"))
+    assert listing.manifest.version == "dmuon-manifest/4"
+    expected = torch.load(tmp_path / "expected.pt")
+    state = {f"model.{fqn}": torch.empty_like(value) for fqn, value in expected.items()}
+    dcp.load(state, storage_reader=dcp.FileSystemReader(str(tmp_path / "steady")), no_dist=True)
+    assert max_abs_diff({k[len("model.") :]: v for k, v in state.items()}, expected) == 0.0
+    assert listing.verify_files() == []
+    assert os.path.exists(tmp_path / "grown" / ".metadata")
