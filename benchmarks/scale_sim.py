@@ -43,12 +43,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch.distributed.checkpoint as dcp
+from scale_sim_dmuon import simulate_dmuon_load, simulate_dmuon_save
 from scale_sim_protocol import (
     LoadSide,
     Phase,
     SaveSide,
     SimulatedWorld,
-    dmuon_results,
     local_load_plan,
     simulate_load,
     simulate_save,
@@ -59,13 +59,12 @@ from scale_sim_store import SCHEME, SimStore
 from torch.distributed.checkpoint.planner import SavePlanner
 
 import dmuon.dcp as ddcp
-from dmuon.dcp.cooperative import share_of
 from dmuon.dcp.format.layout import METADATA
 from dmuon.dcp.plan_cache import SavePlanCache
 from dmuon.dcp.storage.registry import register_store, unregister_store
 
 METHODS = ("dmuon", "torch", "torch+cache")
-OPS = ("first save", "steady save", "load")
+OPS = ("first save", "steady save", "load", "load alone")  # "load alone": dmuon, cooperative=False
 
 
 def _clear_torch_caches() -> None:
@@ -87,53 +86,62 @@ def run_method(method: str, model: Model, n: int, full_load_max: int, tmp: str) 
     out: dict[str, Phase] = {}
     with world.installed():
         if method == "dmuon":
-            layout = model.layout()
-            caches = [SavePlanCache() for _ in range(n)]
-            urls = [f"{SCHEME}://{tmp}/save{i}" for i in range(2)]
-            for op, url in zip(OPS[:2], urls):
-                side = SaveSide(planner=lambda r: ddcp.DMuonSavePlanner(plan_cache=caches[r]),
-                                writer=lambda r, url=url: ddcp.DMuonStorageWriter(url),
-                                state=lambda r: model.state(r, layout), results=dmuon_results)
-                out[op], _ = simulate_save(world, side)
-                store = SimStore.at(url)
-                out[op].small_files = {name: len(data) for name, data in store.files.items()}
-            del caches
-            store = SimStore.at(urls[0])
-            start = time.process_time()
-            world.rank, world.calls = 0, []
-            listing = open_listing(urls[0])
-            open_cpu = time.process_time() - start
-            opened_once = bool(world.calls)  # rank 0 read it and broadcast it: nobody else reads
-            read = {name: size if opened_once else size * n for name, size in store.bytes_read.items()}
-            load = LoadSide(planner=lambda r: ddcp.DMuonLoadPlanner(),
-                            reader=lambda r: ddcp.DMuonStorageReader(urls[0], listing=listing),
-                            state=lambda r: model.state(r, layout),
-                            exchange=lambda plans: any(share_of(p) is not None for p in plans))
-            metadata = listing.metadata
-        else:
-            caching = method == "torch+cache"
-            _clear_torch_caches()
-            dirs = [os.path.join(tmp, f"torch{i}") for i in range(2)]
-            for op, path in zip(OPS[:2], dirs):
-                side = SaveSide(planner=lambda r: _torch_planner(caching, r),
-                                writer=lambda r, path=path: dcp.FileSystemWriter(path),
-                                state=model.state, results=lambda r, plan: torch_results(plan))
-                out[op], _ = simulate_save(world, side)
-                out[op].small_files = {METADATA: os.path.getsize(os.path.join(path, METADATA))}
-            _clear_torch_caches()
-            reader0 = dcp.FileSystemReader(dirs[0])
-            start = time.process_time()
-            metadata = reader0.read_metadata()
-            open_cpu = time.process_time() - start
-            read = {METADATA: n * os.path.getsize(os.path.join(dirs[0], METADATA))}  # every rank's
-            load = LoadSide(planner=lambda r: dcp.DefaultLoadPlanner(),
-                            reader=lambda r: dcp.FileSystemReader(dirs[0]), state=model.state,
-                            exchange=lambda plans: False)
+            return run_dmuon(world, model, n, full_load_max, tmp)
+        caching = method == "torch+cache"
+        _clear_torch_caches()
+        dirs = [os.path.join(tmp, f"torch{i}") for i in range(2)]
+        for op, path in zip(OPS[:2], dirs):
+            side = SaveSide(planner=lambda r: _torch_planner(caching, r),
+                            writer=lambda r, path=path: dcp.FileSystemWriter(path),
+                            state=model.state, results=lambda r, plan: torch_results(plan))
+            out[op], _ = simulate_save(world, side)
+            out[op].small_files = {METADATA: os.path.getsize(os.path.join(path, METADATA))}
+        _clear_torch_caches()
+        reader0 = dcp.FileSystemReader(dirs[0])
+        start = time.process_time()
+        metadata = reader0.read_metadata()
+        open_cpu = time.process_time() - start
+        read = {METADATA: n * os.path.getsize(os.path.join(dirs[0], METADATA))}  # every rank's
+        load = LoadSide(planner=lambda r: dcp.DefaultLoadPlanner(),
+                        reader=lambda r: dcp.FileSystemReader(dirs[0]), state=model.state,
+                        exchange=lambda plans: False)
         full = n <= full_load_max
         out["load"] = simulate_load(world, load, metadata) if full else sampled_load(world, load, metadata)
-        out["load"].calls[:0] = world.calls
         out["load"].small_files = read
         out["load"].extra["metadata_open_cpu"] = open_cpu
+    return out
+
+
+def run_dmuon(world: SimulatedWorld, model: Model, n: int, full_load_max: int, tmp: str) -> dict[str, Phase]:
+    """dmuon's Checkpointer rounds (``scale_sim_dmuon.py``): first save, steady save, and the
+    load twice: cooperative (the default from object storage, or from a local path when the
+    ranks span machines: plans gathered) and alone (``cooperative=False``, or one machine)."""
+    out: dict[str, Phase] = {}
+    layout = model.layout()
+    caches = [SavePlanCache() for _ in range(n)]
+    urls = [f"{SCHEME}://{tmp}/save{i}" for i in range(2)]
+    for op, url in zip(OPS[:2], urls):
+        out[op], path = simulate_dmuon_save(
+            world, lambda r: ddcp.DMuonSavePlanner(plan_cache=caches[r]),
+            lambda r, url=url: ddcp.DMuonStorageWriter(url), lambda r: model.state(r, layout), caches)
+        out[op].extra["path"] = path
+        out[op].small_files = {name: len(data) for name, data in SimStore.at(url).files.items()}
+    store = SimStore.at(urls[0])
+    start = time.process_time()
+    world.rank, world.calls = 0, []
+    listing = open_listing(urls[0])
+    open_cpu = time.process_time() - start
+    opened = list(world.calls)  # rank 0 read the small files and broadcast them
+    read = {name: size if opened else size * n for name, size in store.bytes_read.items()}
+    sample = None if n <= full_load_max else list(spread(n, 4))
+    for op, cooperative in (("load", None), ("load alone", False)):
+        out[op] = simulate_dmuon_load(
+            world, lambda r: ddcp.DMuonLoadPlanner(),
+            lambda r, c=cooperative: ddcp.DMuonStorageReader(urls[0], listing=listing, cooperative=c),
+            lambda r: model.state(r, layout), sample)
+        out[op].calls[:0] = opened
+        out[op].small_files = read
+        out[op].extra["metadata_open_cpu"] = open_cpu
     return out
 
 

@@ -1,6 +1,8 @@
-"""The scale simulator's engine: DCP's save and load protocols run in one process for N
-synthetic ranks, through the planners, writers and readers of dmuon and torch as they are in
-the tree.
+"""The scale simulator's engine: torch DCP's save and load protocols run in one process for N
+synthetic ranks, through torch's planners, writers and readers as they are in the tree (dmuon's
+own protocols, which its Checkpointer now drives instead of ``dcp.save``/``dcp.load``, are in
+``scale_sim_dmuon.py`` and use the pieces here: :class:`SimulatedWorld`, :class:`Phase`,
+:func:`dmuon_results`).
 
 Every step ``torch.distributed.checkpoint.save``/``load`` (torch 2.13: ``_save_state_dict``,
 ``_load_state_dict``, ``_DistWrapper``) runs on a rank runs here for each synthetic rank in
@@ -36,8 +38,10 @@ from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
 from dmuon import compat
-from dmuon.dcp import writer as dmuon_writer
+from dmuon.dcp.format.checksums import WRITE_CHECKSUM
+from dmuon.dcp.format.file_sums import encode_file_sums
 from dmuon.dcp.format.manifest import FileStats, ItemChecksums, block_size_for
+from dmuon.dcp.writer import FILE_STATS_KEY
 
 # bytes around a tensor's data in a data file (torch.save framing); and a pickled object's size
 TENSOR_HEAD, TENSOR_TAIL, OBJECT_BYTES = 128, 30, 400
@@ -127,9 +131,11 @@ def _item_bytes(item) -> int:
 
 
 def dmuon_results(rank: int, plan: SavePlan) -> list[WriteResult]:
-    """What ``DMuonStorageWriter.write_data`` returns for ``plan``: one result per item (its
-    file, offset, length) and the file's stats with every item's segment checksums (random
-    64-bit values: real checksums pickle the same way)."""
+    """What ``DMuonStorageWriter.write_data`` returns for ``plan`` (manifest version 4): one
+    result per item (its file, offset, length) and one ``FILE_STATS_KEY`` result with the
+    file's ``FileStats(size, None, sums_at=...)``; the items' checksums go into the file's
+    trailer (``format/file_sums.py``, built here with random 64-bit values for its size), not
+    to the coordinator."""
     rng = random.Random(rank)
     name = plan.storage_data["file"]
     results, checksums, offset = [], {}, 0
@@ -148,9 +154,9 @@ def dmuon_results(rank: int, plan: SavePlan) -> list[WriteResult]:
                                    storage_data=compat.StorageInfo(name, offset, stats.length)))
         offset += stats.length
     if plan.items:
-        key = getattr(dmuon_writer, "_FILE_STATS", "__dmuon_file_stats__")
-        results.append(WriteResult(index=MetadataIndex(f"{key}{name}"), size_in_bytes=0,
-                                   storage_data=(name, FileStats(offset, checksums))))
+        trailer = encode_file_sums(plan.storage_data["save_id"], name, WRITE_CHECKSUM, checksums)
+        results.append(WriteResult(index=MetadataIndex(f"{FILE_STATS_KEY}{name}"), size_in_bytes=0,
+                                   storage_data=(name, FileStats(offset + len(trailer), None, sums_at=offset))))
     return results
 
 

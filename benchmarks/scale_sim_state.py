@@ -208,48 +208,74 @@ def pickled_size(obj: Any) -> int:
 
 @dataclass
 class Call:
-    """One object collective rooted at rank 0: ``gather`` (sizes[r]: rank r's object),
-    ``scatter`` (sizes[r]: the object for rank r), ``broadcast`` (sizes[0]: the object) or
-    ``all_gather`` (sizes[r]: rank r's object)."""
+    """One collective rooted at rank 0: ``gather`` (sizes[r]: rank r's object), ``scatter``
+    (sizes[r]: the object for rank r), ``broadcast`` (sizes[0]: the object), ``all_gather``
+    (sizes[r]: rank r's object) or ``all_reduce`` (sizes[0]: the tensor's bytes, 8 per int64)."""
 
     kind: str
     sizes: list[int]
 
 
 def tally(calls: Sequence[Call], world: int) -> dict[str, float]:
-    """Per-rank bytes of a list of collectives, counted as point to point from or to their
-    root (rank 0): what each rank must send or receive at least, whatever the algorithm.
-    ``wire_rank0_in``: what torch really moves into rank 0, with each object padded to the
-    largest one (gather, scatter) and the int64 size exchange."""
+    """Per-rank bytes of a list of collectives, two ways.
+
+    *Payload* (``rank0_in``, ``rank0_out``, ``other_*``, ``total``): pickled objects counted
+    point to point from or to their root (rank 0), a broadcast as a star (the root sends it to
+    each rank: gloo's); an all-reduce of k int64 as 2 x 8k sent and received by every rank (a
+    ring's reduce-scatter plus all-gather, or a tree's reduce plus broadcast: at most that).
+
+    *Wire* (``wire_rank0_in``, ``wire_max_in``, ``wire_max_out``): what torch's object
+    collectives really move per rank, with ring or tree algorithms where there is no root to
+    go through: a gather pads every object to the largest and first all-gathers the int64
+    sizes (8 x (N-1) bytes in and out of every rank); a scatter pads likewise, broadcasts the
+    largest size and scatters the sizes; a broadcast (sizes, then the object) costs every rank
+    the object once in and at most once out (a pipelined ring or tree); an all-gather is ring.
+    """
     sent, received = [0] * world, [0] * world
-    wire0 = 0
+    win, wout = [0] * world, [0] * world
+    others = range(1, world)
     for call in calls:
         sizes = call.sizes
         if call.kind == "gather":
-            for rank in range(1, world):
+            top = max(sizes)
+            for rank in others:
                 sent[rank] += sizes[rank]
+                wout[rank] += top
             received[0] += sum(sizes[1:])
-            wire0 += max(sizes) * (world - 1) + SIZE_BYTES * (world - 1)
+            win[0] += top * (world - 1)
+            for rank in range(world):  # the all-gather of the sizes
+                win[rank] += SIZE_BYTES * (world - 1)
+                wout[rank] += SIZE_BYTES * (world - 1)
         elif call.kind == "scatter":
-            for rank in range(1, world):
+            top = max(sizes)
+            for rank in others:
                 received[rank] += sizes[rank]
+                win[rank] += top + 2 * SIZE_BYTES
             sent[0] += sum(sizes[1:])
+            wout[0] += (top + 2 * SIZE_BYTES) * (world - 1)
         elif call.kind == "broadcast":
             sent[0] += sizes[0] * (world - 1)
-            for rank in range(1, world):
-                received[rank] += sizes[0]
+            for rank in range(world):
+                if rank:
+                    received[rank] += sizes[0]
+                    win[rank] += sizes[0] + SIZE_BYTES
+                wout[rank] += sizes[0] + SIZE_BYTES if world > 1 else 0
         elif call.kind == "all_gather":
-            total = sum(sizes)
+            total, top = sum(sizes), max(sizes)
             for rank in range(world):
                 sent[rank] += sizes[rank] * (world - 1)
                 received[rank] += total - sizes[rank]
-            wire0 += (max(sizes) + SIZE_BYTES) * (world - 1)
+                win[rank] += (top + SIZE_BYTES) * (world - 1)
+                wout[rank] += (top + SIZE_BYTES) * (world - 1)
+        elif call.kind == "all_reduce":
+            for rank in range(world):
+                for side in (sent, received, win, wout):
+                    side[rank] += 2 * sizes[0]
         else:
             raise ValueError(call.kind)
-    others_in = max(received[1:], default=0)
-    others_out = max(sent[1:], default=0)
-    return {"rank0_in": received[0], "rank0_out": sent[0], "other_in_max": others_in,
-            "other_out_max": others_out, "total": sum(sent), "wire_rank0_in": wire0}
+    return {"rank0_in": received[0], "rank0_out": sent[0], "other_in_max": max(received[1:], default=0),
+            "other_out_max": max(sent[1:], default=0), "total": sum(sent), "wire_rank0_in": win[0],
+            "wire_max_in": max(win), "wire_max_out": max(wout)}
 
 
 def spread(world: int, count: int) -> Iterator[int]:
