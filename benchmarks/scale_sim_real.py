@@ -1,13 +1,14 @@
 """The scale simulator checked against real gloo ranks (``scale_sim.py --check-real``).
 
 The tiny model of ``scale_sim_state.SPECS`` is built for real on 8 and 32 CPU ranks: dmuon's
-(Muon weights dedicated, the rest FSDP2, saved twice and loaded by a ``Checkpointer``, the load
-cooperative between every pair of ranks as it is from object storage) and torch's (the same
-parameters all FSDP2, the same optimizer keys as DTensors, ``dcp.save``/``dcp.load`` with the
-default planners, with and without plan caching). In each rank process, and only there,
-``torch.distributed``'s object collectives are wrapped to record the pickled size of what the
-rank puts in; the calls of all ranks, matched by order, give the same :class:`Call` lists the
-simulator makes, and both are tallied alike.
+(Muon weights dedicated, the rest FSDP2, saved twice by a ``Checkpointer``, then loaded twice:
+cooperative between every pair of ranks, as from object storage, which gathers the plans; and
+alone, ``cooperative=False``) and torch's (the same parameters all FSDP2, the same optimizer
+keys as DTensors, ``dcp.save``/``dcp.load`` with the default planners, with and without plan
+caching). In each rank process, and only there, ``torch.distributed``'s object collectives and
+``all_reduce`` are wrapped to record the pickled size of what the rank puts in (for an
+all-reduce, its tensor's bytes); the calls of all ranks, matched by order, give the same
+:class:`Call` lists the simulator makes, and both are tallied alike.
 """
 
 from __future__ import annotations
@@ -22,7 +23,10 @@ from typing import Any
 from scale_sim_state import PARAM_GROUPS, SPECS, Call, is_muon, param_shapes, tally
 
 KINDS = {"gather_object": "gather", "scatter_object_list": "scatter", "broadcast_object_list": "broadcast",
-         "all_gather_object": "all_gather"}
+         "all_gather_object": "all_gather", "all_reduce": "all_reduce"}
+
+
+METRICS = ("rank0_in", "rank0_out", "other_in_max", "total", "wire_max_in")
 
 
 def _record(log: list, op: list[str]) -> None:
@@ -33,7 +37,12 @@ def _record(log: list, op: list[str]) -> None:
         @functools.wraps(original)
         def call(*args: Any, **kwargs: Any):
             rank = dist.get_rank()
-            if name in ("gather_object", "all_gather_object"):
+            if not op[0]:  # outside the operations counted (model set-up)
+                return original(*args, **kwargs)
+            if name == "all_reduce":
+                tensor = kwargs.get("tensor", args[0] if args else None)
+                mine = [tensor.numel() * tensor.element_size()]
+            elif name in ("gather_object", "all_gather_object"):
                 obj = kwargs["obj"] if "obj" in kwargs else args[1 if name == "all_gather_object" else 0]
                 mine = len(pickle.dumps(obj))
             elif name == "scatter_object_list":
@@ -119,8 +128,10 @@ def worker(rank: int, world: int, root: str, spec_key: str) -> dict[str, Any]:
     for name, sub in (("first save", "d0"), ("steady save", "d1")):
         op[0] = f"dmuon/{name}"
         checkpointer.save(model, optimizer, os.path.join(root, sub))
-    op[0] = "dmuon/load"
-    checkpointer.load(model, optimizer, os.path.join(root, "d0"), cooperative=True)
+    for name, cooperative in (("load", True), ("load alone", False)):
+        op[0] = f"dmuon/{name}"
+        checkpointer.load(model, optimizer, os.path.join(root, "d0"), cooperative=cooperative)
+    op[0] = ""
     plain = _sharded(spec, dedicated=False)
     state = _torch_state(plain)
     for method, caching in (("torch", False), ("torch+cache", True)):
@@ -131,6 +142,7 @@ def worker(rank: int, world: int, root: str, spec_key: str) -> dict[str, Any]:
         op[0] = f"{method}/load"
         dcp.load(state, storage_reader=dcp.FileSystemReader(os.path.join(root, method + "0")),
                  planner=dcp.DefaultLoadPlanner())
+        op[0] = ""
     return {"log": log}
 
 
@@ -139,8 +151,10 @@ def real_calls(logs: list[list], world: int) -> dict[str, list[Call]]:
     out: dict[str, list[Call]] = {}
     for entries in zip(*logs, strict=True):
         op, kind, _ = entries[0]
-        if kind in ("gather", "all_gather"):
+        if kind in ("gather", "all_gather", "all_reduce"):
             sizes = [entry[2] for entry in entries]
+            if kind == "all_reduce":
+                sizes = sizes[0]  # every rank's tensor is the same size
         else:
             sizes = entries[0][2]
         out.setdefault(op, []).append(Call(kind, sizes))
@@ -152,8 +166,8 @@ def check_real(worlds: list[int], simulate) -> dict[str, Any]:
     from harness import run_ranks
 
     rows, lines = [], ["| N | method | operation | collectives (real / sim) | into rank 0 real / sim | "
-                       "out of rank 0 real / sim | any other rank in real / sim | all ranks real / sim |",
-                       "|---|---|---|---|---|---|---|---|"]
+                       "out of rank 0 real / sim | any other rank in real / sim | all ranks real / sim | "
+                       "any rank, wire in real / sim |", "|---|---|---|---|---|---|---|---|---|"]
     for world in worlds:
         with tempfile.TemporaryDirectory(prefix="dmuon-scale-real-") as root:
             t0 = time.perf_counter()
@@ -169,12 +183,12 @@ def check_real(worlds: list[int], simulate) -> dict[str, Any]:
             calls, counted = real[key]
             entry = {"world": world, "method": row["method"], "op": row["op"], "real_s": real_s, "sim_s": sim_s,
                      "real_calls": [c.kind for c in calls], "sim_calls": row["calls"]}
-            for metric in ("rank0_in", "rank0_out", "other_in_max", "total"):
+            for metric in METRICS:
                 entry[metric] = (counted[metric], row[metric])
             rows.append(entry)
             same = "same" if entry["real_calls"] == entry["sim_calls"] else f"{entry['real_calls']} / {row['calls']}"
             cells = [f"{world}", row["method"], row["op"], same] + [
-                f"{entry[m][0]:,} / {entry[m][1]:,}" for m in ("rank0_in", "rank0_out", "other_in_max", "total")]
+                f"{entry[m][0]:,} / {entry[m][1]:,}" for m in METRICS]
             lines.append("| " + " | ".join(cells) + " |")
         lines.append(f"\n(N={world}: real ranks {real_s:.0f} s wall, from spawn to the last result; "
                      f"simulator {sim_s:.1f} s)\n")
