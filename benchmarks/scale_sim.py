@@ -177,7 +177,7 @@ def summarize(phase: Phase, n: int) -> dict[str, Any]:
 
 
 def simulate(models: list[str], meshes: list[str], worlds: list[int], full_load_max: int,
-             log=print) -> list[dict[str, Any]]:
+             log=print, methods: tuple[str, ...] = METHODS) -> list[dict[str, Any]]:
     """Every (model, mesh, N, method): its rows, one per operation."""
     rows = []
     register_store(SCHEME, SimStore.factory)
@@ -186,7 +186,7 @@ def simulate(models: list[str], meshes: list[str], worlds: list[int], full_load_
             for mesh_name in meshes:
                 for n in worlds:
                     mesh = Mesh(n, 1 if mesh_name == "fsdp" else max(1, n // 8))
-                    for method in METHODS:
+                    for method in methods:
                         model = Model(SPECS[key], mesh, dedicated=method == "dmuon")
                         tmp = tempfile.mkdtemp(prefix="dmuon-scale-sim-")
                         t0 = time.perf_counter()
@@ -207,8 +207,8 @@ def simulate(models: list[str], meshes: list[str], worlds: list[int], full_load_
     return rows
 
 
-NUMERIC = ("rank0_in", "rank0_out", "other_in_max", "other_out_max", "total", "wire_rank0_in", "rank0_cpu",
-           "rank_plan_cpu_max", "small_bytes")
+NUMERIC = ("rank0_in", "rank0_out", "other_in_max", "other_out_max", "total", "wire_rank0_in", "wire_max_in",
+           "wire_max_out", "rank0_cpu", "rank_plan_cpu_max", "small_bytes")
 
 
 def extrapolate(rows: list[dict[str, Any]], targets: list[int]) -> list[dict[str, Any]]:
@@ -259,8 +259,8 @@ def tables(rows: list[dict[str, Any]]) -> str:
     lines = []
     for op in OPS:
         lines.append(f"\n#### {op}\n")
-        head = ["model", "mesh", "N", "method", "into rank 0", "out of rank 0", "any other rank in / out",
-                "rank-0 CPU"]
+        head = ["model", "mesh", "N", "method", "into rank 0", "out of rank 0 (star)", "any other rank in / out",
+                "any rank, wire in / out (ring/tree)", "rank-0 CPU"]
         head += ["small files read (N ranks)", "per-rank planning CPU"] if op == "load" else [".metadata + manifest"]
         lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         for row in sorted((r for r in rows if r["op"] == op), key=lambda r: (r["model"], r["mesh_kind"], r["world"],
@@ -270,6 +270,7 @@ def tables(rows: list[dict[str, Any]]) -> str:
             cells = [row["model"], row["mesh"], f"{mark}{row['world']:,}", row["method"], mark + _size(row["rank0_in"]),
                      mark + _size(row["rank0_out"]),
                      f"{mark}{_size(row['other_in_max'])} / {_size(row['other_out_max'])}",
+                     f"{mark}{_size(row.get('wire_max_in'))} / {_size(row.get('wire_max_out'))}",
                      mark + _secs(row["rank0_cpu"]), mark + _size(small)]
             if op == "load":
                 cells.append(mark + _secs(row.get("rank_plan_cpu_max", math.nan)))
@@ -284,7 +285,9 @@ def main() -> None:
     parser.add_argument("--worlds", nargs="+", type=int, default=[64, 256])
     parser.add_argument("--extrapolate", nargs="*", type=int, default=[1024, 4096, 16384])
     parser.add_argument("--full-load-max", type=int, default=64)
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     parser.add_argument("--json", help="write every row here")
+    parser.add_argument("--from-json", help="table the measured rows of an earlier --json (several: merge them)")
     parser.add_argument("--check-real", action="store_true", help="compare with real gloo ranks (tiny model)")
     parser.add_argument("--real-worlds", nargs="+", type=int, default=[8, 32])
     args = parser.parse_args()
@@ -297,7 +300,11 @@ def main() -> None:
             with open(args.json, "w") as f:
                 json.dump(report, f, indent=1, default=str)
         return
-    rows = simulate(args.models, args.meshes, args.worlds, args.full_load_max)
+    if args.from_json:  # the measured rows of an earlier run, extrapolated and tabled again
+        with open(args.from_json) as f:
+            rows = [row for row in json.load(f) if row["measured"]]
+    else:
+        rows = simulate(args.models, args.meshes, args.worlds, args.full_load_max, methods=tuple(args.methods))
     rows += extrapolate(rows, args.extrapolate)
     print(tables(rows))
     if args.json:
