@@ -65,11 +65,14 @@ def decode_file_sums(name: str, data: bytes, checksum: str, save_id: str) -> Enc
 
 
 def read_file_sums(stream: BinaryIO, name: str, stats: FileStats, checksum: str, save_id: str) -> EncodedItems:
-    """Read and decode the trailer of ``name`` from a seekable ``stream`` over it."""
+    """Read and decode the trailer of ``name`` from a seekable ``stream`` over it; the stream
+    is left where it was (a read-ahead stream schedules what it was told from there on)."""
     assert stats.sums_at is not None
+    here = stream.tell()
     stream.seek(stats.sums_at)
     want = stats.size - stats.sums_at
     data = stream.read(want)
+    stream.seek(here)
     if len(data) != want:
         raise CheckpointCorruptError(f"{name} is truncated: its checksum trailer is cut short")
     items = decode_file_sums(name, data, checksum, save_id)

@@ -24,7 +24,7 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 
 from ..errors import CheckpointCorruptError
-from ..storage.base import Store, checked_name
+from ..storage.base import ReadAheadStream, Store, checked_name
 from .checksums import CHECKSUMS, HOT_SLICE, checksum_of
 from .file_sums import read_file_sums
 from .manifest import V1_CHECKSUM, FileStats, ItemChecksums, Manifest
@@ -74,6 +74,9 @@ class VerifiedReads:
             with contextlib.ExitStack() as stack:
                 if stream is None:
                     stream = stack.enter_context(self.store.open_read(checked_name(name)))
+                if isinstance(stream, ReadAheadStream) and stats.sums_at is not None:
+                    # (told, a read-ahead stream fetches just the trailer, not blocks around it)
+                    stream.will_need(stats.sums_at, stats.size - stats.sums_at)
                 stats.items = read_file_sums(stream, name, stats, self.manifest.checksum, self.manifest.save_id)
         return stats.items
 
