@@ -261,7 +261,8 @@ def tables(rows: list[dict[str, Any]]) -> str:
         lines.append(f"\n#### {op}\n")
         head = ["model", "mesh", "N", "method", "into rank 0", "out of rank 0 (star)", "any other rank in / out",
                 "any rank, wire in / out (ring/tree)", "rank-0 CPU"]
-        head += ["small files read (N ranks)", "per-rank planning CPU"] if op == "load" else [".metadata + manifest"]
+        load = op.startswith("load")
+        head += ["small files read (N ranks)", "per-rank planning CPU"] if load else [".metadata + manifest"]
         lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         for row in sorted((r for r in rows if r["op"] == op), key=lambda r: (r["model"], r["mesh_kind"], r["world"],
                                                                            METHODS.index(r["method"]))):
@@ -272,7 +273,7 @@ def tables(rows: list[dict[str, Any]]) -> str:
                      f"{mark}{_size(row['other_in_max'])} / {_size(row['other_out_max'])}",
                      f"{mark}{_size(row.get('wire_max_in'))} / {_size(row.get('wire_max_out'))}",
                      mark + _secs(row["rank0_cpu"]), mark + _size(small)]
-            if op == "load":
+            if op.startswith("load"):
                 cells.append(mark + _secs(row.get("rank_plan_cpu_max", math.nan)))
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
