@@ -17,36 +17,11 @@ import dmuon
 from tests.helpers.launch import run_ranks
 from tests.helpers.models import TinyTransformer, lm_loss, proj_predicate
 from tests.helpers.setup import make_mesh, max_abs_diff
-from tests.helpers.training import local_batch
+from tests.helpers.training import build_compiled, local_batch
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 STEPS = 10
 WARMUP = 3  # steps after which no new graph may be compiled
-
-
-def build_compiled(replicate: int, backend: str | None, order: str, bf16: bool):
-    """TinyTransformer with its projections dedicated, each block compiled ``order`` fully_shard."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    torch.manual_seed(0)
-    model = TinyTransformer()
-    mesh = make_mesh(replicate)
-    dtype = torch.bfloat16 if bf16 else None
-    dmuon.dedicate_params(model, mesh, proj_predicate, param_dtype=dtype)
-    policy = MixedPrecisionPolicy(param_dtype=dtype)
-
-    def compile_blocks():
-        for block in model.layers:
-            block.compile(backend=backend, fullgraph=True)
-
-    if backend is not None and order == "before":
-        compile_blocks()
-    for block in model.layers:
-        fully_shard(block, mesh=mesh, mp_policy=policy)
-    fully_shard(model, mesh=mesh, mp_policy=policy)
-    if backend is not None and order == "after":
-        compile_blocks()
-    return model, dmuon.Muon(model, lr=0.02, adamw_lr=1e-3)
 
 
 def compile_worker(rank, world, replicate, backend, order, bf16):

@@ -8,11 +8,13 @@ import dmuon
 import dmuon.dcp as ddcp
 from tests.helpers import faults
 from tests.helpers.launch import run_ranks
-from tests.helpers.training import build, train
+from tests.helpers.training import build, build_compiled, train
 
 
-def lazy_worker(rank, world, replicate, path, door):
-    model, opt = build(replicate)
+def lazy_worker(rank, world, replicate, path, door, compiled=False):
+    # compiled: each block compiled (aot_eager: the graphs torch.compile makes, without
+    # inductor's minutes of C++ compilation on a CPU runner)
+    model, opt = build_compiled(replicate, "aot_eager") if compiled else build(replicate)
     train(model, opt, rank, world, range(2))
     at_call = dmuon.get_model_state_dict(model), dmuon.get_optimizer_state_dict(model, opt)
     # the copy is held back in its thread, so that the steps below certainly run during it
@@ -51,10 +53,12 @@ def _equal(a, b) -> bool:
     return a == b
 
 
-@pytest.mark.parametrize("world,replicate,door", [(2, 1, "async_save"), (4, 2, "async_save"), (2, 1, "manager")],
-                         ids=["fsdp2", "hsdp-2x2", "manager"])
-def test_the_checkpoint_is_the_state_at_the_call(tmp_path, world, replicate, door):
-    results = run_ranks(lazy_worker, world, replicate, str(tmp_path / "ckpt"), door, timeout=120)
+@pytest.mark.parametrize("world,replicate,door,compiled",
+                         [(2, 1, "async_save", False), (4, 2, "async_save", False), (2, 1, "manager", False),
+                          (2, 1, "async_save", True)],
+                         ids=["fsdp2", "hsdp-2x2", "manager", "compiled-steps"])
+def test_the_checkpoint_is_the_state_at_the_call(tmp_path, world, replicate, door, compiled):
+    results = run_ranks(lazy_worker, world, replicate, str(tmp_path / "ckpt"), door, compiled, timeout=180)
     for got in results:
         assert got["returned_before_the_copy"]  # training went on while the copy was held back
     got = results[0]

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import torch
 
+import dmuon
+
 from .launch import run_ranks
 from .models import TinyTransformer, batch, lm_loss, proj_predicate
 from .setup import make_mesh, max_abs_diff, shard_model
@@ -72,3 +74,28 @@ def check_bit_exact_resume(world: int, replicate: int, save, load) -> list:
         for fqn, entry in full[0]["optim"][section].items():
             assert max_abs_diff(second[0]["optim"][section][fqn], entry) == 0.0, fqn
     return second
+
+
+def build_compiled(replicate: int, backend: str | None, order: str = "before", bf16: bool = False):
+    """TinyTransformer with its projections dedicated, each block compiled ``order`` fully_shard."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    mesh = make_mesh(replicate)
+    dtype = torch.bfloat16 if bf16 else None
+    dmuon.dedicate_params(model, mesh, proj_predicate, param_dtype=dtype)
+    policy = MixedPrecisionPolicy(param_dtype=dtype)
+
+    def compile_blocks():
+        for block in model.layers:
+            block.compile(backend=backend, fullgraph=True)
+
+    if backend is not None and order == "before":
+        compile_blocks()
+    for block in model.layers:
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    if backend is not None and order == "after":
+        compile_blocks()
+    return model, dmuon.Muon(model, lr=0.02, adamw_lr=1e-3)
