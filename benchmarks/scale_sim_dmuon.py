@@ -38,6 +38,12 @@ from dmuon.dcp.writer import new_save_id, plan_storage_data, split_write_results
 SAVE_AGREE, WRITE_AGREE, LOAD_AGREE, READ_AGREE = 5, 2, 5, 1  # int64 per all-reduce
 
 
+def _prefixes(writer) -> tuple:
+    """The writer's key-prefix setting where the tree's writer has one (data files' names spread
+    over leading hex prefixes), passed on as ``save_protocol`` passes it."""
+    return (writer.key_prefixes,) if hasattr(writer, "key_prefixes") else ()
+
+
 def _all_reduce(phase: Phase, count: int) -> None:
     phase.calls.append(Call("all_reduce", [8 * count]))
 
@@ -78,7 +84,8 @@ def simulate_dmuon_save(world: SimulatedWorld, planner: Callable[[int], Any], wr
 def _steady(world, phase, clock, planners, writers, caches, save_id: str) -> None:
     for rank in range(world.world):  # each rank writes under the new id
         world.rank = rank
-        final = planners[rank].finish_plan(caches[rank].reused_final(plan_storage_data(rank, save_id)))
+        named = plan_storage_data(rank, save_id, *_prefixes(writers[rank]))
+        final = planners[rank].finish_plan(caches[rank].reused_final(named))
         writers[rank].save_id = save_id  # (write_data takes it from the plan)
         if save_protocol._written(dmuon_results(rank, final)) != caches[rank].written:
             raise SimulatorGap(f"rank {rank} wrote another layout in a steady save: the simulator "
@@ -87,7 +94,7 @@ def _steady(world, phase, clock, planners, writers, caches, save_id: str) -> Non
     _all_reduce(phase, WRITE_AGREE)
     with clock.coordinator():
         metadata, rank_files = caches[0].reused_commit()
-        storage_data, files = save_protocol._renamed(rank_files, save_id)
+        storage_data, files = save_protocol._renamed(rank_files, save_id, *_prefixes(writers[0]))
         writers[0].commit_save(metadata, storage_data, files)
         outcome = pickle.dumps(None)
     phase.calls.append(Call("broadcast", [len(outcome)]))
