@@ -35,7 +35,7 @@ from dmuon.dcp import save_protocol
 from dmuon.dcp.cooperative import share_of
 from dmuon.dcp.writer import new_save_id, plan_storage_data, split_write_results
 
-SAVE_AGREE, WRITE_AGREE, LOAD_AGREE, READ_AGREE = 5, 2, 5, 1  # int64 per all-reduce
+SAVE_AGREE, WRITE_AGREE, OUTCOME_AGREE, LOAD_AGREE, READ_AGREE = 5, 2, 1, 5, 1  # int64 per all-reduce
 
 
 def _prefixes(writer) -> tuple:
@@ -96,8 +96,7 @@ def _steady(world, phase, clock, planners, writers, caches, save_id: str) -> Non
         metadata, rank_files = caches[0].reused_commit()
         storage_data, files = save_protocol._renamed(rank_files, save_id, *_prefixes(writers[0]))
         writers[0].commit_save(metadata, storage_data, files)
-        outcome = pickle.dumps(None)
-    phase.calls.append(Call("broadcast", [len(outcome)]))
+    _all_reduce(phase, OUTCOME_AGREE)
 
 
 def _full(world, phase, clock, planners, writers, caches, local) -> None:
@@ -120,17 +119,16 @@ def _full(world, phase, clock, planners, writers, caches, local) -> None:
         writers[rank].save_id = final.storage_data["save_id"]
         mine = dmuon_results(rank, final)
         written.append(save_protocol._written(mine))
-        results.append(pickle.dumps((None, mine)))
+        results.append(pickle.dumps(mine))
     del outgoing
     world.rank = 0
     phase.calls.append(Call("gather", [len(b) for b in results]))
     with clock.coordinator():
         everyone = [pickle.loads(b) for b in results]
-        storage_data, files = split_write_results(r for _, rank_results in everyone for r in rank_results)
+        storage_data, files = split_write_results(r for rank_results in everyone for r in rank_results)
         writers[0].commit_save(metadata, storage_data, files)
-        caches[0].remember_rank_files([save_protocol._written(rank_results) for _, rank_results in everyone])
-        outcome = pickle.dumps(None)
-    phase.calls.append(Call("broadcast", [len(outcome)]))
+        caches[0].remember_rank_files([save_protocol._written(rank_results) for rank_results in everyone])
+    _all_reduce(phase, OUTCOME_AGREE)
     for cache, mine in zip(caches, written):
         cache.remember_written(mine)
 

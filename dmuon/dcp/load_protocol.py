@@ -68,8 +68,7 @@ def run_load(state: dict, reader: DMuonStorageReader, planner: DMuonLoadPlanner,
         reader.read_data(planner.finish_plan(final), planner).wait()
     except Exception as exc:
         problem = exc
-    if ranks.max([problem is not None])[0]:
-        ranks.raise_everyones(problem, "the load failed")
+    ranks.settle(problem, "the load failed")
 
 
 def _global_plan(ranks: Ranks, reader: DMuonStorageReader, planner: DMuonLoadPlanner, local: LoadPlan) -> LoadPlan:

@@ -62,6 +62,12 @@ class Ranks:
         """The coordinator's ``obj`` on every rank."""
         return obj if self.world == 1 else broadcast_over(self.group)(obj, 0)
 
+    def settle(self, mine: BaseException | None, what: str) -> None:
+        """Collective: return on every rank if no rank failed (one all-reduce of one integer);
+        else raise every rank's failure on every rank (:meth:`raise_everyones`)."""
+        if self.max([mine is not None])[0]:
+            self.raise_everyones(mine, what)
+
     def raise_everyones(self, mine: BaseException | None, what: str) -> None:
         """Collective, on a path where some rank failed: raise every rank's failure on every
         rank (as torch's ``CheckpointException``, as ``dcp.save`` would)."""

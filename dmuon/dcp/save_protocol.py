@@ -7,7 +7,7 @@ training job saves the same layout again and again, and after the first save its
 know everything those rounds would tell them. :func:`run_save` drives dmuon's planner and writer
 itself and, when every rank's :class:`~.plan_cache.SavePlanCache` holds the previous save's plans
 and this save's plan equals them (a *steady* save), coordinates with two all-reduces of a few
-integers and one broadcast of a few bytes:
+integers and one of one:
 
 1. all-reduce: did any rank fail to plan; does any rank's plan differ from its cached one; do
    all ranks hold the same cache token (its maximum and minimum); and the coordinator's new
@@ -17,12 +17,12 @@ integers and one broadcast of a few bytes:
 3. all-reduce: did any rank fail to write, or write items at offsets and sizes other than its
    previous save's (an object entry that grew);
 4. the coordinator commits (``commit.py``): the cached ``.metadata`` with the new file names and
-   a manifest of file sizes, then broadcasts the outcome.
+   a manifest of file sizes; then one all-reduce of one integer: did the commit fail.
 
 Where a rank wrote a different layout, step 4 gathers the write results (items and file sizes,
 no checksums) instead. A first save, or one whose plan changed, runs the full rounds: gather the
 plans (a rank whose plan did not change sends a marker), scatter the final plans, gather the
-results, broadcast the outcome. Only the coordinator ever holds the metadata.
+results, all-reduce the outcome. Only the coordinator ever holds the metadata.
 
 The commit protocol does not change: ``.metadata`` is written after every rank reported its
 bytes durable (the writer's file is closed, and fsynced on a local disk, before its rank takes
@@ -66,14 +66,14 @@ def _written(results: list[WriteResult]) -> Written:
     return tuple(items), file
 
 
-def _renamed(rank_files: list[Written], save_id: str) -> tuple[dict, dict[str, FileStats]]:
+def _renamed(rank_files: list[Written], save_id: str, key_prefixes: int) -> tuple[dict, dict[str, FileStats]]:
     """Where each item of the cached layout lies in the files of save ``save_id``."""
     storage_data: dict = {}
     files: dict[str, FileStats] = {}
     for rank, (items, file) in enumerate(rank_files):
         if file is None:
             continue
-        name = data_file_name(rank, save_id)
+        name = data_file_name(rank, save_id, key_prefixes)
         files[name] = FileStats(file[0], None, sums_at=file[1])
         for index, offset, length in items:
             storage_data[index] = compat.StorageInfo(name, offset, length)
@@ -112,7 +112,7 @@ def _steady_save(
     problem: BaseException | None = None
     results: list[WriteResult] = []
     try:
-        final = planner.finish_plan(cache.reused_final(plan_storage_data(ranks.rank, save_id)))
+        final = planner.finish_plan(cache.reused_final(plan_storage_data(ranks.rank, save_id, writer.key_prefixes)))
         results = writer.write_data(final, planner).wait()
     except Exception as exc:
         problem = exc
@@ -125,15 +125,14 @@ def _steady_save(
         assert cached is not None or not ranks.coordinator
         _commit_gathered(ranks, writer, cache, results, lambda: dataclasses.replace(cached))  # type: ignore[type-var]
         return
-    outcome = None
     if ranks.coordinator:
         try:
             metadata, rank_files = cache.reused_commit()
-            storage_data, files = _renamed(rank_files, save_id)
+            storage_data, files = _renamed(rank_files, save_id, writer.key_prefixes)
             writer.commit_save(metadata, storage_data, files)
         except Exception as exc:
-            outcome = {ranks.rank: wrapped(exc)}
-    raise_failures(ranks.broadcast(outcome) or {}, "committing the save failed")
+            problem = exc
+    ranks.settle(problem, "committing the save failed")
 
 
 def _full_save(ranks: Ranks, writer: DMuonStorageWriter, planner: DMuonSavePlanner, local: SavePlan) -> None:
@@ -170,20 +169,17 @@ def _commit_gathered(
 ) -> None:
     """Gather every rank's write results (or failure); the coordinator commits; every rank
     learns the outcome."""
-    everyone = ranks.gather((wrapped(problem), results if problem is None else None))
-    outcome = None
-    if ranks.coordinator:
+    everyone = ranks.gather(results if problem is None else None)
+    if ranks.coordinator and problem is None:
         assert everyone is not None
-        failures = {rank: failure for rank, (failure, _) in enumerate(everyone) if failure is not None}
-        if not failures:
+        if all(rank_results is not None for rank_results in everyone):  # (else: that rank says why)
             try:
-                storage_data, files = split_write_results(r for _, rank_results in everyone for r in rank_results)
+                storage_data, files = split_write_results(r for rank_results in everyone for r in rank_results)
                 writer.commit_save(metadata_of(), storage_data, files)
                 if cache is not None:
-                    cache.remember_rank_files([_written(rank_results) for _, rank_results in everyone])
+                    cache.remember_rank_files([_written(rank_results) for rank_results in everyone])
             except Exception as exc:
-                failures = {ranks.rank: wrapped(exc)}
-        outcome = failures or None
-    raise_failures(ranks.broadcast(outcome) or {}, "the save failed")
+                problem = exc
+    ranks.settle(problem, "the save failed")
     if cache is not None:
         cache.remember_written(_written(results))

@@ -2,7 +2,7 @@
 
 Every ``torch.distributed`` collective a rank calls is wrapped to record its name and the
 pickled size of what the rank puts in. A save of a layout saved before (the plan cache's case)
-must gather nothing: two all-reduces of a few integers and a broadcast of a few bytes; a load
+must gather nothing: three all-reduces of a few integers (the last: did the commit fail); a load
 from a local path on one machine likewise; and what they write stays readable by torch's own
 reader.
 """
@@ -92,9 +92,7 @@ def test_a_steady_save_and_a_load_gather_nothing_and_stay_readable_by_torch(tmp_
     results = run_ranks(counted_worker, 4, str(tmp_path))
     for rank, result in enumerate(results):
         # the steady save: a few integers, twice, and the commit's outcome from the coordinator
-        assert _names(result["steady"]) == ["all_reduce", "all_reduce", "broadcast_object_list"], result["steady"]
-        if rank == 0:
-            assert result["steady"][2][1] < 64, result["steady"]  # (None: committed)
+        assert _names(result["steady"]) == ["all_reduce"] * 3, result["steady"]
         # an object entry that grew: the write results are gathered, no plan is
         assert "scatter_object_list" not in _names(result["grown"]) and "gather_object" in _names(result["grown"])
         # the load: open_once's broadcast of the small files, two all-reduces, no gather
