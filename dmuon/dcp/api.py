@@ -30,12 +30,14 @@ def save(
     storage_options: dict | None = None,
     overwrite: bool = False,
     plan_cache: SavePlanCache | None = None,
+    key_prefixes: int = 0,
 ) -> None:
     """Collective: every rank writes its own share straight to ``checkpoint_id``
     (:meth:`Checkpointer.save <dmuon.dcp.Checkpointer.save>`). ``plan_cache``: keep one per rank
     across the saves of a job and a save whose layout did not change skips re-planning; a
-    :class:`~dmuon.dcp.Checkpointer` kept by the caller does the same on its own."""
-    checkpointer = Checkpointer(storage_options=storage_options)
+    :class:`~dmuon.dcp.Checkpointer` kept by the caller does the same on its own.
+    ``key_prefixes``: spread the data files over that many key prefixes (object storage)."""
+    checkpointer = Checkpointer(storage_options=storage_options, key_prefixes=key_prefixes)
     if plan_cache is not None:
         checkpointer.plan_cache = plan_cache
     checkpointer.save(model, optimizer, checkpoint_id, extra=extra, overwrite=overwrite)
@@ -72,6 +74,7 @@ def async_save(
     extra: dict | None = None,
     storage_options: dict | None = None,
     overwrite: bool = False,
+    key_prefixes: int = 0,
 ) -> SaveHandle:
     """Collective: copy this rank's share to host memory, return, write it in the background.
 
@@ -80,5 +83,11 @@ def async_save(
     previous one and raises its error if it failed unobserved.
     """
     return model_checkpointer(model).save(
-        model, optimizer, checkpoint_id, extra=extra, storage_options=storage_options, overwrite=overwrite
+        model,
+        optimizer,
+        checkpoint_id,
+        extra=extra,
+        storage_options=storage_options,
+        overwrite=overwrite,
+        key_prefixes=key_prefixes,
     )

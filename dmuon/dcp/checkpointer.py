@@ -102,10 +102,13 @@ class SaveHandle:
 class Checkpointer:
     """Saves and loads one training job's model and optimizer; collective (every rank calls
     every method, in the same order). ``storage_options``: the default for every call (fsspec
-    options: endpoint, credentials; ``direct_io`` for a local directory)."""
+    options: endpoint, credentials; ``direct_io`` for a local directory). ``key_prefixes``:
+    spread each save's data files over that many key prefixes (object storage with many
+    writers; off by default; docs/checkpoint.md, "Key prefixes")."""
 
-    def __init__(self, *, storage_options: dict | None = None) -> None:
+    def __init__(self, *, storage_options: dict | None = None, key_prefixes: int = 0) -> None:
         self.storage_options = storage_options
+        self.key_prefixes = key_prefixes
         self.plan_cache = SavePlanCache()
         self._in_flight: SaveHandle | None = None
 
@@ -128,6 +131,7 @@ class Checkpointer:
         extra: dict | None = None,
         storage_options: dict | None = None,
         overwrite: bool = False,
+        key_prefixes: int | None = None,
     ) -> SaveHandle:
         """Collective: every rank writes its own share straight to ``checkpoint_id``.
 
@@ -141,7 +145,8 @@ class Checkpointer:
         _finish_other_saves(model, self)
         options = self.storage_options if storage_options is None else storage_options
         state = AppState(model, optimizer, extra).state_dict()
-        writer = DMuonStorageWriter(checkpoint_id, storage_options=options, overwrite=overwrite)
+        prefixes = self.key_prefixes if key_prefixes is None else key_prefixes
+        writer = DMuonStorageWriter(checkpoint_id, storage_options=options, overwrite=overwrite, key_prefixes=prefixes)
         planner = DMuonSavePlanner(plan_cache=self.plan_cache)
         self._in_flight = self._write(state, writer, planner, checkpoint_id, model)
         return self._in_flight
@@ -265,8 +270,8 @@ class AsyncCheckpointer(Checkpointer):
     rank's share is in host memory. One save in flight at a time; a failure nobody has looked
     at is raised at the next call. Its gloo group is created on the first save (collective)."""
 
-    def __init__(self, *, storage_options: dict | None = None) -> None:
-        super().__init__(storage_options=storage_options)
+    def __init__(self, *, storage_options: dict | None = None, key_prefixes: int = 0) -> None:
+        super().__init__(storage_options=storage_options, key_prefixes=key_prefixes)
         self._group: dist.ProcessGroup | None = None
         self._stager: DefaultStager | None = None
 

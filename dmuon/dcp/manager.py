@@ -46,6 +46,8 @@ class CheckpointManager:
             the only one kept.
         storage_options: passed to the store of ``root`` (fsspec options: endpoint,
             credentials; ``direct_io`` for a local directory).
+        key_prefixes: spread each step's data files over that many key prefixes (object
+            storage with many writers; docs/checkpoint.md, "Key prefixes"); 0, off, by default.
         keep_last: the old name of ``keep`` (deprecated).
     """
 
@@ -57,6 +59,7 @@ class CheckpointManager:
         async_save: bool = False,
         storage_options: dict | None = None,
         keep_last: int | None = None,
+        key_prefixes: int = 0,
     ) -> None:
         keep = renamed_argument("CheckpointManager", "keep_last", keep_last, "keep", keep)
         if keep < 1:
@@ -72,9 +75,9 @@ class CheckpointManager:
         self.store = open_store(self.root, storage_options)
         self.step_root = StepRoot(self.store)
         self.checkpointer: Checkpointer = (
-            AsyncCheckpointer(storage_options=storage_options)
+            AsyncCheckpointer(storage_options=storage_options, key_prefixes=key_prefixes)
             if async_save
-            else Checkpointer(storage_options=storage_options)
+            else Checkpointer(storage_options=storage_options, key_prefixes=key_prefixes)
         )
         self._step_in_flight: int | None = None
         self.last_extra: dict = {}  # what resume's checkpoint carried in ``extra``

@@ -29,7 +29,7 @@ from .commit import commit, files_of_committed_saves
 from .errors import CheckpointExistsError
 from .format.checksums import CHECKSUMS, HOT_SLICE, WRITE_CHECKSUM, checksum_of
 from .format.file_sums import encode_file_sums
-from .format.layout import METADATA, data_file_name
+from .format.layout import MAX_KEY_PREFIXES, METADATA, data_file_name
 from .format.manifest import FileStats, ItemChecksums, Manifest, block_size_for
 from .format.tensor_bytes import SLICE
 from .format.torch_file import TensorFrames, write_tensor_payload
@@ -53,9 +53,9 @@ def new_save_id() -> str:
     return f"{secrets.randbits(62):016x}"
 
 
-def plan_storage_data(rank: int, save_id: str) -> dict[str, str]:
+def plan_storage_data(rank: int, save_id: str, key_prefixes: int = 0) -> dict[str, str]:
     """What a rank's final save plan tells this writer: the save and the rank's data file."""
-    return {"save_id": save_id, "file": data_file_name(rank, save_id)}
+    return {"save_id": save_id, "file": data_file_name(rank, save_id, key_prefixes)}
 
 
 def split_write_results(results) -> tuple[dict[MetadataIndex, Any], dict[str, FileStats]]:
@@ -174,8 +174,10 @@ class DMuonStorageWriter(StorageWriter):
     """DCP storage writer for local paths and fsspec URLs with checksums and a safe commit.
 
     ``overwrite=False`` refuses a path that holds a committed checkpoint; ``True`` replaces it
-    atomically at commit. ``sync_files`` defaults to fsync on local disks, never on object
-    stores. Accelerator tensors reach the file through :class:`~.host_staging.HostStaging`
+    atomically at commit. ``key_prefixes``: spread the data files' names over that many
+    leading hex prefixes (object storage at many writers; ``format.layout.data_file_name``).
+    ``sync_files`` defaults to fsync on local disks, never on object stores. Accelerator
+    tensors reach the file through :class:`~.host_staging.HostStaging`
     (a few reusable pinned buffers, each copy overlapped with the write of the item before).
     """
 
@@ -189,8 +191,12 @@ class DMuonStorageWriter(StorageWriter):
         storage_options: dict | None = None,
         overwrite: bool = False,
         sync_files: bool | None = None,
+        key_prefixes: int = 0,
     ) -> None:
         super().__init__()
+        if not 0 <= key_prefixes <= MAX_KEY_PREFIXES:
+            raise ValueError(f"key_prefixes must be between 0 (off) and {MAX_KEY_PREFIXES}, got {key_prefixes}")
+        self.key_prefixes = key_prefixes
         compat.require_all("StorageInfo", "CURRENT_DCP_VERSION", "rebuild_tensor", "storage_type_names")
         self.storage_options = storage_options
         self.overwrite = overwrite
@@ -233,7 +239,8 @@ class DMuonStorageWriter(StorageWriter):
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         save_id = new_save_id()
         return [
-            dataclasses.replace(plan, storage_data=plan_storage_data(rank, save_id)) for rank, plan in enumerate(plans)
+            dataclasses.replace(plan, storage_data=plan_storage_data(rank, save_id, self.key_prefixes))
+            for rank, plan in enumerate(plans)
         ]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:

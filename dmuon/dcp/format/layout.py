@@ -9,16 +9,18 @@ A dmuon checkpoint is a standard DCP checkpoint, one directory (or object-store 
     directory without it is an incomplete save. ``Metadata.planner_data[RESERVED_KEY]`` holds
     dmuon's description of the save (:data:`FORMAT_VERSION`, topology, the owner and writer of
     every dedicated tensor, tied aliases).
-``__<rank>_<save id>.distcp``
+``__<rank>_<save id>.distcp`` (or ``<hex>-__<rank>_<save id>.distcp``: key prefixes)
     one data file per rank that had something to write: the items of its write plan end to
-    end, each a ``torch.save`` payload (tensors) or raw bytes (other objects). On a local disk
+    end, each a ``torch.save`` payload (tensors) or raw bytes (other objects), then the file's
+    checksum trailer (``file_sums.py``). On a local disk
     written with direct I/O, a tensor of 1 MiB or more has zip padding before its bytes that
     puts them at a file offset congruent to their address in the writer's memory (modulo
     4096), so they were written from that memory; readers take every record's start from its
     header and need not know.
 ``.dmuon-manifest-<save id>.json``
-    the size and checksum of every data file item (the items tile each file) and of the
-    ``.metadata`` bytes, itself checksummed; schema in ``manifest.py``.
+    every data file's size and where its trailer starts, and the size and checksum of the
+    ``.metadata`` bytes, itself checksummed; schema in ``manifest.py`` (earlier versions held
+    every item's checksums here).
 ``<one of the above>.tmp-<random>``
     a file being put atomically (written, then renamed or linked into place; the name is the
     store's, ``storage.base.temp_name``).
@@ -61,6 +63,7 @@ __all__ = [
     "HF_GENERATION_CONFIG_FILE",
     "HF_INDEX_FILE",
     "HF_SINGLE_FILE",
+    "MAX_KEY_PREFIXES",
     "METADATA",
     "MODEL_PREFIX",
     "MODEL_SECTION",
@@ -92,7 +95,9 @@ OPTIM_SECTION = "optim"
 EXTRA_SECTION = "extra"
 MODEL_PREFIX = MODEL_SECTION + "."
 
-_DATA_FILE = re.compile(r"^__(\d+)_([0-9A-Za-z]+)\.distcp$")
+_DATA_FILE = re.compile(r"^(?:[0-9a-f]{1,4}-)?__(\d+)_([0-9A-Za-z]+)\.distcp$")
+#: The most key prefixes a save may spread its data files over (4 hex digits).
+MAX_KEY_PREFIXES = 1 << 16
 _MANIFEST_PREFIX = ".dmuon-manifest-"
 _MANIFEST_FILE = re.compile(r"^\.dmuon-manifest-([0-9a-f]+)\.json$")
 
@@ -108,8 +113,17 @@ HF_CONFIG_FILE = "config.json"
 HF_GENERATION_CONFIG_FILE = "generation_config.json"
 
 
-def data_file_name(rank: int, save_id: str) -> str:
-    return f"__{rank}_{save_id}.distcp"
+def data_file_name(rank: int, save_id: str, key_prefixes: int = 0) -> str:
+    """Rank ``rank``'s data file of save ``save_id``. With ``key_prefixes`` (2 or more), the
+    name starts with one of that many hex prefixes, ``<prefix>-``, taken round-robin by rank:
+    the ranks' objects then spread evenly over key ranges an object store can serve apart
+    (docs/checkpoint.md, "Key prefixes")."""
+    if key_prefixes < 2:
+        return f"__{rank}_{save_id}.distcp"
+    if key_prefixes > MAX_KEY_PREFIXES:
+        raise ValueError(f"key_prefixes must be at most {MAX_KEY_PREFIXES}, got {key_prefixes}")
+    width = len(f"{key_prefixes - 1:x}")
+    return f"{rank % key_prefixes:0{width}x}-__{rank}_{save_id}.distcp"
 
 
 def rank_of_data_file(name: str) -> int | None:
