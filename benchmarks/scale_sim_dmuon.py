@@ -93,9 +93,7 @@ def _steady(world, phase, clock, planners, writers, caches, save_id: str) -> Non
     world.rank = 0
     _all_reduce(phase, WRITE_AGREE)
     with clock.coordinator():
-        metadata, rank_files = caches[0].reused_commit()
-        storage_data, files = save_protocol._renamed(rank_files, save_id, *_prefixes(writers[0]))
-        writers[0].commit_save(metadata, storage_data, files)
+        save_protocol._commit_reused(writers[0], caches[0], save_id)
     _all_reduce(phase, OUTCOME_AGREE)
 
 
@@ -126,8 +124,9 @@ def _full(world, phase, clock, planners, writers, caches, local) -> None:
     with clock.coordinator():
         everyone = [pickle.loads(b) for b in results]
         storage_data, files = split_write_results(r for rank_results in everyone for r in rank_results)
-        writers[0].commit_save(metadata, storage_data, files)
+        data = writers[0].commit_save(metadata, storage_data, files)
         caches[0].remember_rank_files([save_protocol._written(rank_results) for rank_results in everyone])
+        caches[0].remember_pickled(data, writers[0].save_id, save_protocol._url(writers[0]))
     _all_reduce(phase, OUTCOME_AGREE)
     for cache, mine in zip(caches, written):
         cache.remember_written(mine)

@@ -85,13 +85,15 @@ class SavePlanCache:
     written: tuple | None = None
     # coordinator only: every rank's, to commit a save that wrote the same without asking
     rank_files: list[tuple[tuple, tuple[int, int | None] | None]] | None = None
+    # coordinator only: the previous commit's .metadata bytes, its save id and URL
+    pickled: tuple[bytes, str, str] | None = None
 
     def clear(self) -> None:
         self.token = None
         self.local_plan = self.final_plan = None
         self.all_local_plans = self.global_plans = None
         self.metadata = None
-        self.written = self.rank_files = None
+        self.written = self.rank_files = self.pickled = None
 
     # --- a save with no gather (save_protocol.py) ------------------------------------------------
     def token_number(self) -> int:
@@ -120,6 +122,11 @@ class SavePlanCache:
 
     def remember_rank_files(self, rank_files: list[tuple[tuple, tuple[int, int | None] | None]]) -> None:
         self.rank_files = rank_files
+        self.pickled = None
+
+    def remember_pickled(self, metadata_bytes: bytes, save_id: str, url: str) -> None:
+        """Coordinator: the ``.metadata`` bytes just committed, and the save id and URL in them."""
+        self.pickled = (metadata_bytes, save_id, url)
 
     def reused_commit(self) -> tuple[Metadata, list[tuple[tuple, tuple[int, int | None] | None]]]:
         """Coordinator: the metadata and every rank's items and file of the cached layout."""

@@ -127,12 +127,57 @@ def _steady_save(
         return
     if ranks.coordinator:
         try:
-            metadata, rank_files = cache.reused_commit()
-            storage_data, files = _renamed(rank_files, save_id, writer.key_prefixes)
-            writer.commit_save(metadata, storage_data, files)
+            _commit_reused(writer, cache, save_id)
         except Exception as exc:
             problem = exc
     ranks.settle(problem, "committing the save failed")
+
+
+def _commit_reused(writer: DMuonStorageWriter, cache: SavePlanCache, save_id: str) -> None:
+    """Coordinator: commit the cached layout under save ``save_id``'s file names."""
+    metadata, rank_files = cache.reused_commit()
+    storage_data, files = _renamed(rank_files, save_id, writer.key_prefixes)
+    url = _url(writer)
+    data = _repickled(cache.pickled, save_id, url, len(files))
+    if data is not None:
+        writer.commit_bytes(data, files)
+    else:
+        data = writer.commit_save(metadata, storage_data, files)
+    cache.remember_pickled(data, save_id, url)
+
+
+def _url(writer: DMuonStorageWriter) -> str:
+    meta = writer.storage_meta()
+    return str(meta.checkpoint_id) if meta is not None else ""
+
+
+def _repickled(pickled: tuple[bytes, str, str] | None, save_id: str, url: str, files: int) -> bytes | None:
+    """The previous save's ``.metadata`` bytes with this save's id and URL in place of its own,
+    or None where that is not certain to be the pickle of this save's metadata.
+
+    The cached layout's metadata differs from the previous save's only in those two strings:
+    the id inside each data file's name and in ``storage_meta``, the URL in ``storage_meta``.
+    Pickle writes each string once (later uses are memo references), with its length before
+    it, so replacing each by one of the same length, where they occur exactly that often (each
+    file name once, the id once more, the URL once), gives a valid pickle of the renamed
+    metadata without pickling it again: the bulk of the coordinator's work in a steady save
+    at thousands of ranks (docs/performance.md, "Scale, simulated"). Any doubt: None, and the
+    metadata is pickled."""
+    if pickled is None:
+        return None
+    data, old_id, old_url = pickled
+    old_id_bytes, new_id_bytes = old_id.encode(), save_id.encode()
+    old_url_bytes, new_url_bytes = old_url.encode(), url.encode()
+    if len(old_id_bytes) != len(new_id_bytes) or len(old_url_bytes) != len(new_url_bytes):
+        return None
+    if data.count(old_id_bytes) != files + 1 or old_id_bytes in old_url_bytes or new_id_bytes in new_url_bytes:
+        return None
+    renamed = data.replace(old_id_bytes, new_id_bytes)
+    if old_url_bytes != new_url_bytes:
+        if not old_url_bytes or renamed.count(old_url_bytes) != 1:
+            return None
+        renamed = renamed.replace(old_url_bytes, new_url_bytes)
+    return renamed
 
 
 def _full_save(ranks: Ranks, writer: DMuonStorageWriter, planner: DMuonSavePlanner, local: SavePlan) -> None:
@@ -175,9 +220,10 @@ def _commit_gathered(
         if all(rank_results is not None for rank_results in everyone):  # (else: that rank says why)
             try:
                 storage_data, files = split_write_results(r for rank_results in everyone for r in rank_results)
-                writer.commit_save(metadata_of(), storage_data, files)
+                data = writer.commit_save(metadata_of(), storage_data, files)
                 if cache is not None:
                     cache.remember_rank_files([_written(rank_results) for rank_results in everyone])
+                    cache.remember_pickled(data, writer.save_id or "", _url(writer))
             except Exception as exc:
                 problem = exc
     ranks.settle(problem, "the save failed")

@@ -301,21 +301,29 @@ class DMuonStorageWriter(StorageWriter):
         storage_data, files = split_write_results(r for rank_results in results for r in rank_results)
         self.commit_save(metadata, storage_data, files)
 
-    def commit_save(self, metadata: Metadata, storage_data: dict, files: dict[str, FileStats]) -> None:
+    def commit_save(self, metadata: Metadata, storage_data: dict, files: dict[str, FileStats]) -> bytes:
         """Coordinator: write the manifest and ``.metadata`` of this save, whose items lie
-        where ``storage_data`` says, in ``files`` (``commit.py``)."""
-        if self.phases is not None:
-            self.phases.enter("committing")
+        where ``storage_data`` says, in ``files`` (``commit.py``); the ``.metadata`` bytes."""
         store = self._store()
-        save_id = self.save_id or new_save_id()
         metadata.version = compat.CURRENT_DCP_VERSION  # what torch's own writers record
         metadata.storage_data = storage_data
-        metadata.storage_meta = StorageMeta(checkpoint_id=str(store.url), save_id=save_id)
+        metadata.storage_meta = StorageMeta(checkpoint_id=str(store.url), save_id=self._commit_id())
         metadata_bytes = pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)
-        manifest = Manifest(
-            save_id, WRITE_CHECKSUM, len(metadata_bytes), checksum_of(WRITE_CHECKSUM, metadata_bytes), files
-        )
-        commit(store, manifest, metadata_bytes, overwrite=self.overwrite, replaced=self._replaced)
+        self.commit_bytes(metadata_bytes, files)
+        return metadata_bytes
+
+    def commit_bytes(self, metadata_bytes: bytes, files: dict[str, FileStats]) -> None:
+        """Coordinator: :meth:`commit_save` of a ``.metadata`` already pickled."""
+        if self.phases is not None:
+            self.phases.enter("committing")
+        checksum = checksum_of(WRITE_CHECKSUM, metadata_bytes)
+        manifest = Manifest(self._commit_id(), WRITE_CHECKSUM, len(metadata_bytes), checksum, files)
+        commit(self._store(), manifest, metadata_bytes, overwrite=self.overwrite, replaced=self._replaced)
+
+    def _commit_id(self) -> str:
+        if self.save_id is None:  # (a coordinator that wrote nothing and was told nothing)
+            self.save_id = new_save_id()
+        return self.save_id
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=str(self.store.url) if self.store else None)

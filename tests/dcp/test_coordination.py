@@ -110,3 +110,34 @@ def test_a_steady_save_and_a_load_gather_nothing_and_stay_readable_by_torch(tmp_
     assert max_abs_diff({k[len("model.") :]: v for k, v in state.items()}, expected) == 0.0
     assert listing.verify_files() == []
     assert os.path.exists(tmp_path / "grown" / ".metadata")
+
+
+def test_the_coordinator_renames_the_pickled_metadata_or_pickles_it_afresh():
+    """A steady save's .metadata: the previous bytes with the new save id and URL, unpickling to
+    exactly what pickling the renamed metadata gives; where lengths or counts differ, None."""
+    from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+
+    from dmuon import compat
+    from dmuon.dcp.save_protocol import _renamed, _repickled
+
+    rank_files = [(tuple((MetadataIndex(f"w{rank}.{k}"), 100 * k, 100) for k in range(3)), (400, 300))
+                  for rank in range(3)]
+
+    def metadata(save_id, url):
+        storage_data, files = _renamed(rank_files, save_id, 4)
+        md = Metadata(state_dict_metadata={}, storage_data=storage_data,
+                      storage_meta=StorageMeta(checkpoint_id=url, save_id=save_id))
+        return md, files
+
+    old, files = metadata("0123456789abcdef", "s3://b/run/step-100")
+    data = pickle.dumps(old, protocol=pickle.HIGHEST_PROTOCOL)
+    renamed = _repickled((data, "0123456789abcdef", "s3://b/run/step-100"), "fedcba9876543210", "s3://b/run/step-200",
+                         len(files))
+    new, _ = metadata("fedcba9876543210", "s3://b/run/step-200")
+    got = pickle.loads(renamed)
+    assert got.storage_data == new.storage_data and got.storage_meta == new.storage_meta
+    assert all(isinstance(info, compat.StorageInfo) for info in got.storage_data.values())
+    assert _repickled((data, "0123456789abcdef", "s3://b/run/step-100"), "fedcba9876543210", "s3://b/run/step-1000",
+                      len(files)) is None  # a URL of another length: pickled afresh
+    assert _repickled((data, "0123456789abcdef", "s3://b/run/step-100"), "fedcba9876543210", "s3://b/run/step-200",
+                      len(files) + 1) is None  # not the expected count: pickled afresh
