@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
-from torch.distributed.tensor.placement_types import Shard
+from torch.distributed.tensor.placement_types import Replicate, Shard
 
 from dmuon.dcp.app_state import DedicatedEntry, DedicatedLayout
 from dmuon.dcp.format.layout import MODEL_SECTION, OPTIM_SECTION, RESERVED_KEY
@@ -104,8 +104,12 @@ class ShardStub(torch.Tensor):
     chunk: ChunkStorageMetadata
 
     @staticmethod
-    def __new__(cls, shape: Sequence[int], dtype: torch.dtype, shard_index: int, shards: int) -> ShardStub:
+    def __new__(cls, shape: Sequence[int], dtype: torch.dtype, shard_index: int, shards: int,
+                replica: int = 0, replicas: int = 1) -> ShardStub:
         stub = torch.Tensor._make_subclass(cls, stand_in(shape, dtype))
+        # where a DTensor says which ranks hold copies of its chunk (HSDP's replicas)
+        stub.device_mesh = StubMesh((replica, shard_index), (replicas, shards))
+        stub.placements = (Replicate(), Shard(0))
         size0, offset0 = Shard.local_shard_size_and_offset(shape[0], shards, shard_index)
         sizes = torch.Size([size0, *shape[1:]])
         offsets = torch.Size([offset0] + [0] * (len(shape) - 1))
@@ -125,6 +129,19 @@ class ShardStub(torch.Tensor):
 
     def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
         return [self.chunk]
+
+
+class StubMesh:
+    """A 2-D device mesh as a DTensor's planner sees it: this rank's coordinate and the sizes."""
+
+    def __init__(self, coordinate: tuple[int, int], sizes: tuple[int, int]) -> None:
+        self.coordinate, self.sizes = list(coordinate), sizes
+
+    def get_coordinate(self) -> list[int]:
+        return self.coordinate
+
+    def size(self, dim: int) -> int:
+        return self.sizes[dim]
 
 
 def stand_in(shape: Sequence[int], dtype: torch.dtype = FP32) -> torch.Tensor:
@@ -175,12 +192,13 @@ class Model:
         for fqn, shape in self.params:
             owner = self.owners.get(fqn)
             if owner is None:
-                model[fqn] = ShardStub(shape, FP32, s, shards)
+                model[fqn] = ShardStub(shape, FP32, s, shards, r, self.mesh.replicate)
                 if is_muon(fqn, shape):  # torch's view: Muon's momentum as a shard too
-                    adam[fqn] = {"momentum_buffer": ShardStub(shape, FP32, s, shards)}
+                    adam[fqn] = {"momentum_buffer": ShardStub(shape, FP32, s, shards, r, self.mesh.replicate)}
                 else:
-                    adam[fqn] = {"step": stand_in(()), "exp_avg": ShardStub(shape, FP32, s, shards),
-                                 "exp_avg_sq": ShardStub(shape, FP32, s, shards)}
+                    adam[fqn] = {"step": stand_in(()),
+                                 "exp_avg": ShardStub(shape, FP32, s, shards, r, self.mesh.replicate),
+                                 "exp_avg_sq": ShardStub(shape, FP32, s, shards, r, self.mesh.replicate)}
                 continue
             if owner[1] == s:  # every replica of the owner's shard column holds the master
                 model[fqn] = stand_in(shape)

@@ -12,6 +12,9 @@ machinery plans them correctly. What this planner adds:
   exactly one whole write of it;
 * whatever it knows, the global plan must not hold two chunks of one key at one offset with
   different sizes (a placeholder offered beside the weight);
+* a chunk of a DTensor replicated over a mesh dimension (HSDP) is planned by one replica only,
+  chosen on every rank alike (:func:`_written_by_another_replica`), instead of by every replica
+  for the coordinator to de-duplicate;
 * dmuon's description of the save (version, topology, owners, writers, aliases) goes into the
   metadata under ``format.layout.RESERVED_KEY``.
 """
@@ -21,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import itertools
+import zlib
 from collections import ChainMap, defaultdict
 from collections.abc import Mapping
 from typing import Any
@@ -67,6 +71,32 @@ def merge_key_orders(orders: list[list[str]]) -> list[str]:
         done = set(merged)
         merged += sorted((k for k in first_seen if k not in done), key=first_seen.__getitem__)
     return merged
+
+
+def _written_by_another_replica(item: WriteItem, value: Any) -> bool:
+    """Is ``item`` a chunk of a DTensor that another replica of this rank writes?
+
+    A DTensor replicated over a mesh dimension (HSDP's replicate dimension) has the same chunk
+    on every rank along it. torch's planner has each of them offer it and the coordinator
+    de-duplicates: the gathered plans, and the coordinator's work, grow with the replicas
+    (with 8-way shards on 16,384 ranks, 2,048 copies of every chunk). The mesh already says
+    who holds the copies, so each rank decides alone, and every rank alike: along each
+    replicated dimension the copy at coordinate ``crc32(key, offsets) % size`` writes it
+    (chunks spread over the replicas). Plain tensors and objects are left to the coordinator:
+    nothing guarantees that every rank holds them."""
+    mesh, placements = getattr(value, "device_mesh", None), getattr(value, "placements", None)
+    if not isinstance(value, torch.Tensor) or mesh is None or placements is None:  # (a DTensor, or one's stand-in)
+        return False
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:
+        return False
+    for dim, placement in enumerate(placements):
+        size = mesh.size(dim)
+        if placement.is_replicate() and size > 1:
+            key = f"{item.index.fqn}@{tuple(item.index.offset or ())}".encode()
+            if coordinate[dim] != zlib.crc32(key) % size:
+                return True
+    return False
 
 
 def _chunk_key(item: WriteItem) -> tuple:
@@ -140,9 +170,11 @@ class DMuonSavePlanner(DefaultSavePlanner):
         mine = {k: v for k, v in everything.items() if k not in self.layout or self.layout[k].writer == self.rank}
         compat.set_planner_flat_state(self, mine)
         try:
-            plan = self._local_plan = super().create_local_plan()
+            plan = super().create_local_plan()
         finally:
             compat.set_planner_flat_state(self, everything)
+        items = [item for item in plan.items if not _written_by_another_replica(item, everything.get(item.index.fqn))]
+        plan = self._local_plan = dataclasses.replace(plan, items=items) if len(items) < len(plan.items) else plan
         return self.plan_cache.offer_local(plan) if self.plan_cache is not None else plan
 
     def _check(self, all_plans: list[SavePlan]) -> None:

@@ -141,3 +141,33 @@ def test_the_coordinator_renames_the_pickled_metadata_or_pickles_it_afresh():
                       len(files)) is None  # a URL of another length: pickled afresh
     assert _repickled((data, "0123456789abcdef", "s3://b/run/step-100"), "fedcba9876543210", "s3://b/run/step-200",
                       len(files) + 1) is None  # not the expected count: pickled afresh
+
+
+def replica_plans_worker(rank, world, root):
+    model, opt = build(replicate=2)
+    train(model, opt, rank, world, range(1))
+    checkpointer = ddcp.Checkpointer()
+    checkpointer.save(model, opt, root)
+    expected = dmuon.get_model_state_dict(model, rank0_only=False)
+    fresh, fresh_opt = build(replicate=2)
+    checkpointer.load(fresh, fresh_opt, root)
+    diff = max_abs_diff(dmuon.get_model_state_dict(fresh, rank0_only=False), expected)
+    # the shards' chunks (plain tensors every rank holds, such as AdamW's step, are left to the
+    # coordinator's de-duplication: nothing guarantees that every rank has them)
+    items = [(item.index.fqn, tuple(item.index.offset or ())) for item in checkpointer.plan_cache.local_plan.items
+             if item.tensor_data is not None and tuple(item.tensor_data.chunk.sizes) != tuple(item.tensor_data.size)]
+    return {"items": items, "diff": diff}
+
+
+def test_hsdp_replicas_plan_each_chunk_once_between_them(tmp_path):
+    """HSDP 2x2: a sharded tensor's chunk is held by both replicas; one of them plans it (chosen
+    alike on every rank), so the coordinator gathers no copies to de-duplicate."""
+    results = run_ranks(replica_plans_worker, 4, str(tmp_path / "ckpt"))
+    assert all(r["diff"] == 0.0 for r in results)
+    offered = [chunk for r in results for chunk in r["items"]]
+    from collections import Counter
+
+    twice = sorted(chunk for chunk, count in Counter(offered).items() if count > 1)
+    assert not twice, twice
+    # the replicas share the work: ranks 0-1 form one replica, 2-3 the other (make_mesh's order)
+    assert all(results[rank]["items"] for rank in range(4))
