@@ -114,6 +114,11 @@ class ThrottleProxy:
     def stop(self) -> None:
         async def close() -> None:
             self._server.close()
+            # connections still open (a client's idle keep-alive): ended here, not left pending
+            tasks = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
             await self._server.wait_closed()
 
         if self._thread.is_alive():

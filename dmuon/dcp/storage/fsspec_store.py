@@ -21,7 +21,7 @@ from typing import Any, BinaryIO, TypeVar, cast
 import fsspec
 
 from .base import checked_name
-from .retry import RetryPolicy, endpoint_unreachable, exception_chain, storage_errors, throttled
+from .retry import DeadlinePassed, RetryPolicy, endpoint_unreachable, exception_chain, storage_errors, throttled
 from .s3_transfer import S3ParallelReader, S3ParallelWriter
 
 __all__ = [
@@ -248,7 +248,8 @@ class FsspecStore:
             # fsspec uploads whatever was buffered on close(); throw it away instead. With the
             # endpoint unreachable, asking it to abort or delete would only wait out the client's
             # retries once more: the leftovers are never committed, and a later save removes them.
-            reachable = not endpoint_unreachable(exc)
+            # Past the deadline (a store still refusing), the same: the cleanup would be refused too.
+            reachable = not endpoint_unreachable(exc) and not isinstance(exc, DeadlinePassed)
             with contextlib.suppress(Exception):
                 if isinstance(f, S3ParallelWriter):
                     f.discard(abort_upload=reachable)
