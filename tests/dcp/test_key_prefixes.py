@@ -5,7 +5,7 @@ every rank's file of one checkpoint starting with ``__`` puts them all in one ra
 ``key_prefixes=K`` the names start ``<hex>-`` (round-robin by rank) and the checkpoint stays one
 directory: one ``.metadata``, loaded by dmuon and by torch's reader, verified, retained and
 deleted whole. Through the throttling proxy, modelling a bucket whose ranges split at a name's
-first two characters, the ranks' uploads then stop meeting refusals.
+first two characters, the ranks' uploads then meet a fraction of the refusals.
 """
 from __future__ import annotations
 
@@ -85,11 +85,14 @@ def _data_refusals(proxy) -> int:
 
 @pytest.mark.slow
 def test_prefixes_take_eight_writers_out_of_one_throttled_range(s3_server):
-    """8 ranks, 2 requests a second per range: without prefixes the eight uploads of each save
+    """8 ranks, 2 writes a second per range: without prefixes the eight uploads of each save
     meet one range's limit; with 8 prefixes each rank's upload has a range of its own."""
     outcome = {}
     for prefixes in (0, 8):
-        proxy = ThrottleProxy(s3_server.port, "s3", rate=2.0, burst=2.0, prefix_of=_by_leading_characters)
+        # writes throttled (2 a second per range); reads left alone (a load's ranks all read
+        # every file: no naming spreads that)
+        proxy = ThrottleProxy(s3_server.port, "s3", rate=2.0, read_rate=1000.0, burst=2.0,
+                              prefix_of=_by_leading_characters)
         options = dict(s3_server.storage_options, endpoint_url=proxy.endpoint)
         try:
             results = run_ranks(manager_worker, 8, s3_server.url(), options, prefixes, timeout=180)
@@ -98,4 +101,6 @@ def test_prefixes_take_eight_writers_out_of_one_throttled_range(s3_server):
         assert all(r["diff"] == 0.0 for r in results)
         outcome[prefixes] = (_data_refusals(proxy), max(r["save_s"] for r in results))
     print(f"data-file refusals and save time (2 saves, 8 ranks): without prefixes {outcome[0]}, with 8 {outcome[8]}")
-    assert outcome[0][0] > 0 and outcome[8][0] == 0, outcome
+    # (a few remain with prefixes: the previous step's deletions, and a rank's own file being
+    # written and then read back by the resume)
+    assert outcome[0][0] >= 10 and outcome[8][0] * 5 <= outcome[0][0], outcome
