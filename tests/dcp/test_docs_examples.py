@@ -22,7 +22,7 @@ def dcp_examples_worker(rank, world, workdir, phase, s3):
              "endpoint": s3["endpoint_url"], "key": s3["key"], "secret": s3["secret"]}
     if phase == "save":
         train(model, optimizer, rank, world, range(2))
-        for name in ("dcp-save", "dcp-async", "torch-dcp", "dcp-s3", "dcp-plan-cache"):
+        for name in ("dcp-save", "dcp-async", "torch-dcp", "dcp-s3", "dcp-plan-cache", "dcp-key-prefixes"):
             exec(code[name], scope)
         assert scope["cache"].local_hits == 1  # the second save reused its plan
     else:
@@ -39,6 +39,8 @@ def test_dcp_examples_run_as_written(tmp_path, s3_server):
         assert (tmp_path / "checkpoints" / name / ".metadata").exists(), name
     fs = fsspec.filesystem("s3", **s3_server.storage_options)
     assert fs.exists("my-bucket/run-7/step-100/.metadata")
+    prefixed = [name.rsplit("/", 1)[-1] for name in fs.ls("my-bucket/run-8/step-100") if name.endswith(".distcp")]
+    assert sorted(name[:2] for name in prefixed) == ["00", "01", "02", "03"], prefixed  # 4 ranks, 64 prefixes
     loaded = run_ranks(dcp_examples_worker, 2, tmp_path, "load", s3_server.storage_options)[0]
     assert max_abs_diff(loaded, saved) == 0.0
     # plain torch, no dmuon objects: the "plain-torch" example
