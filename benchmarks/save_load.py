@@ -3,15 +3,23 @@ flat path, in each page-cache state a user meets, made to be read on a noisy mac
 
     python benchmarks/save_load.py [--mib 512] [--repeats 5] [--warmup 1] [--worlds 2 4]
                                    [--methods raw dmuon torch flat async] [--reshard 2:4 4:2]
-                                   [--roots DIR ...] [--json PATH]
+                                   [--states natural cold warm] [--roots DIR ...] [--json PATH]
+                                   [--profile N]
 
 The model: ``--mib`` worth of square fp32 1024x1024 matrices (``nn.Linear``, no bias), every
 other one dedicated to one rank, the rest FSDP2; model weights only (optimizer state is more
 tensors of the same kinds). torch's DCP saves the same model built all-FSDP2 (the fair peer:
 it has no dedicated parameters), with ``FileSystemWriter``'s defaults. Methods:
 
-  raw      each rank writes exactly the bytes of its own dmuon data file(s) with plain
-           write + fsync, reads them back with plain reads: the storage limit
+  raw      the storage limit, measured as carefully as dmuon: each rank writes exactly the
+           bytes of its own dmuon data file(s) to its own file, in four ways (``raw_io.py``),
+           each a method of its own, interleaved with the others and every fsynced:
+           raw-plain (write + fsync), raw-behind (writeback started every 16 MiB as it goes),
+           raw-threads (two threads' pwrites, writeback as they go), raw-direct (O_DIRECT
+           from aligned memory); each reads its file back its own way (4 MiB reads; 16 MiB
+           reads after fadvise(SEQUENTIAL); two threads; O_DIRECT). ``raw-best`` is, in each
+           repeat and for each operation, the fastest of them (slowest rank's wall): the
+           limit the targets are stated against. ``raw`` on the command line means all four.
   dmuon    dmuon.dcp.save(model, None, path) / dmuon.dcp.load(model, None, path), defaults
   torch    dcp.save(plain_model.state_dict(), storage_writer=FileSystemWriter(path)) / dcp.load
   flat     the seed's path: dmuon.get_model_state_dict + rank-0 torch.save + fsync /
@@ -44,6 +52,11 @@ What is measured, and why this way:
   unique directory per root, removed at the end (also on errors, Ctrl-C and SIGTERM); each
   checkpoint is deleted once measured. A root without room for 4x the model is skipped.
 * Reproducibility: run it twice (``compare_runs.py`` puts two JSON reports side by side).
+* The device: at the start, per root, one process writes 1 GiB with ``O_DIRECT`` (+ fsync)
+  and reads it back the same way: its sequential bandwidth, printed and in the JSON.
+* ``--profile N``: after the measurements, per world size, N more steady dmuon saves with
+  cProfile on every rank; the slowest rank's time by phase (planning, copy into the page
+  cache, checksums, writeback kicks, fsyncs, collectives, commit) and its top functions.
 """
 
 from __future__ import annotations
@@ -61,16 +74,21 @@ import tempfile
 import time
 
 import harness
+import raw_io
 import torch
 
 DIM = 1024
+RAW_METHODS = tuple(f"raw-{w}" for w in raw_io.WRITES)  # each read back as raw_io.READS, in order
+RAW_READ = dict(zip(raw_io.WRITES, raw_io.READS))
 METHODS = ("raw", "dmuon", "torch", "flat", "async")
-EXTRA_METHODS = ("dmuon-buffered", "dmuon-direct")
+EXTRA_METHODS = ("dmuon-buffered", "dmuon-direct", *RAW_METHODS)
 STATES = ("natural", "cold", "warm")
 LOADS = tuple(f"load-{state}" for state in STATES)
 ROOM_FACTOR = 4  # a root needs free space for this many models
 LABELS = {
-    "raw": "raw (write+fsync / read)", "dmuon": "dmuon.dcp", "torch": "torch DCP (all FSDP2)",
+    "raw-plain": "raw write+fsync / 4M reads", "raw-behind": "raw write-behind / seq reads",
+    "raw-threads": "raw 2 threads / 2 threads", "raw-direct": "raw O_DIRECT / O_DIRECT",
+    "raw-best": "raw best of the four", "dmuon": "dmuon.dcp", "torch": "torch DCP (all FSDP2)",
     "flat": "flat: gather + torch.save", "async": "dmuon.dcp.async_save (blocking)",
     "dmuon-buffered": "dmuon.dcp direct_io=False", "dmuon-direct": "dmuon.dcp direct_io=True",
 }
@@ -78,7 +96,8 @@ LABELS = {
 # peer's must stay at or below the bound, "min" at or above it.
 TARGETS = (
     *(("dmuon", "torch", op, "wall", 0.9 if op == "save" else 0.8, "max") for op in ("save", *LOADS)),
-    ("dmuon", "raw", "save", "wall", 1.3, "max"),
+    ("dmuon", "raw-best", "save", "wall", 1.2, "max"),  # issue 36
+    ("dmuon", "raw-best", "load-cold", "wall", 1.1, "max"),
     ("dmuon", "torch", "save", "cpu", 0.5, "max"),
     *(("dmuon", "torch", op, "cpu", 0.6, "max") for op in LOADS),
     ("flat", "dmuon", "save", "wall", 2.0, "min"),
@@ -88,8 +107,10 @@ TARGETS = (
 # ---------------------------------------------------------------------------------------------
 # inside each rank
 # ---------------------------------------------------------------------------------------------
-def build(n_matrices: int, dedicated: bool, replicate: int = 1):
-    """The model on every rank: 1-D FSDP2, or HSDP ``replicate`` x the rest."""
+def build(n_matrices: int, dedicated: bool, replicate: int = 1, meta: bool = False):
+    """The model on every rank: 1-D FSDP2, or HSDP ``replicate`` x the rest. ``meta``: built on
+    the meta device, sharded, then given memory and random values: no rank ever holds the whole
+    model (4 ranks of a 4 GiB model would otherwise hold 16 GiB at once while they build)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -102,12 +123,18 @@ def build(n_matrices: int, dedicated: bool, replicate: int = 1):
     else:
         mesh = init_device_mesh("cpu", (replicate, world // replicate), mesh_dim_names=("replicate", "shard"))
     torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Linear(DIM, DIM, bias=False) for _ in range(n_matrices)])
+    device = "meta" if meta else "cpu"
+    model = torch.nn.Sequential(*[torch.nn.Linear(DIM, DIM, bias=False, device=device) for _ in range(n_matrices)])
     predicate = (lambda n, p: int(n.split(".")[0]) % 2 == 0) if dedicated else (lambda n, p: False)
     dmuon.dedicate_params(model, mesh, predicate)
     for layer in model:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
+    if meta:
+        model.to_empty(device="cpu")
+        with torch.no_grad():
+            for param in model.parameters():
+                (param.to_local() if hasattr(param, "to_local") else param).normal_()
     return model
 
 
@@ -121,18 +148,6 @@ def on_rank_zero(fn, *args) -> None:
     dist.barrier()
 
 
-def raw_write(path: str, nbytes: int, block: bytes) -> None:
-    view = memoryview(block)
-    with open(path, "wb") as f:
-        left = nbytes
-        while left > 0:
-            n = min(left, len(view))
-            f.write(view[:n])
-            left -= n
-        f.flush()
-        os.fsync(f.fileno())
-
-
 def operations(rank: int, model, plain_model, share: int) -> dict:
     """method -> (save, load), each taking the checkpoint path."""
     import torch.distributed.checkpoint as dcp
@@ -140,11 +155,14 @@ def operations(rank: int, model, plain_model, share: int) -> dict:
     import dmuon
     import dmuon.dcp as ddcp
 
-    block, buffer = os.urandom(harness.READ_BLOCK), bytearray(harness.READ_BLOCK)
+    source = raw_io.Source()
 
-    def raw_save(path):
-        os.makedirs(path, exist_ok=True)
-        raw_write(f"{path}/{rank}.bin", share, block)
+    def raw_with(how):
+        def save(path):
+            os.makedirs(path, exist_ok=True)
+            raw_io.write(how, f"{path}/{rank}.bin", share, source)
+
+        return save, lambda path: raw_io.read(RAW_READ[how], f"{path}/{rank}.bin", source)
 
     def flat_save(path):
         state = dmuon.get_model_state_dict(model)  # rank 0 gets everything, the others {}
@@ -160,7 +178,7 @@ def operations(rank: int, model, plain_model, share: int) -> dict:
                 lambda path: ddcp.load(model, None, path, storage_options=options))
 
     return {
-        "raw": (raw_save, lambda path: harness.read_file(f"{path}/{rank}.bin", buffer)),
+        **{f"raw-{how}": raw_with(how) for how in raw_io.WRITES},
         "dmuon": dmuon_with(None),
         "dmuon-buffered": dmuon_with({"direct_io": False}),
         "dmuon-direct": dmuon_with({"direct_io": True}),
@@ -199,13 +217,13 @@ def prepare(path: str, state: str) -> None:
         on_rank_zero(harness.warm_pages, path)
 
 
-def worker(rank, world, n_matrices, run_dir, methods, repeats, warmup):
+def worker(rank, world, n_matrices, run_dir, methods, repeats, warmup, states=STATES):
     """Every method, interleaved, at one world size: this rank's samples of each operation."""
     import dmuon.dcp as ddcp
     from dmuon.dcp.format import rank_of_data_file
 
-    model = build(n_matrices, dedicated=True)
-    plain_model = build(n_matrices, dedicated=False)
+    model = build(n_matrices, dedicated=True, meta=True)
+    plain_model = build(n_matrices, dedicated=False, meta=True) if "torch" in methods else None
     # The raw baseline writes exactly the bytes of this rank's dmuon data file(s).
     sizing = f"{run_dir}/w{world}-sizing"
     ddcp.save(model, None, sizing)
@@ -213,7 +231,8 @@ def worker(rank, world, n_matrices, run_dir, methods, repeats, warmup):
     on_rank_zero(shutil.rmtree, sizing)
     ops = operations(rank, model, plain_model, share)
 
-    samples: dict = {m: ({"block": []} if m == "async" else {op: [] for op in ("save", *LOADS)}) for m in methods}
+    loads = tuple(f"load-{state}" for state in states)
+    samples: dict = {m: ({"block": []} if m == "async" else {op: [] for op in ("save", *loads)}) for m in methods}
     orders = []
     for repeat in range(-warmup, repeats):
         order = harness.rotated(methods, repeat)
@@ -225,7 +244,7 @@ def worker(rank, world, n_matrices, run_dir, methods, repeats, warmup):
             else:
                 save, load = ops[method]
                 results[method] = {"save": harness.measure(lambda save=save, path=path: save(path))}
-                for state in STATES:  # natural first: right after the save
+                for state in states:  # natural first: right after the save
                     prepare(path, state)
                     results[method][f"load-{state}"] = harness.measure(lambda load=load, path=path: load(path))
             on_rank_zero(shutil.rmtree, path)
@@ -237,6 +256,111 @@ def worker(rank, world, n_matrices, run_dir, methods, repeats, warmup):
     if "async" in methods:
         ddcp.api.model_checkpointer(model).close()  # frees its staging buffers
     return {"share_bytes": share, "orders": orders, "samples": samples}
+
+
+# Where a save's time goes. Disjoint leaves of cProfile's own time (tottime), matched in its
+# function names, plus the fsyncs timed one by one (split by what they made durable); the
+# planner's calls by their time with callees (they do no I/O and wait for no one).
+LEAVES = (
+    ("copy into the page cache (write)", ("of '_io.BufferedWriter' objects", "posix.write", "posix.pwrite")),
+    ("writeback kicks (sync_file_range)", ("start_writeback",)),
+    ("checksums (XXH3 of every 16 KiB)", ("xxh", "crc32")),
+    ("collectives (waiting for the other ranks)", ("_distributed_c10d",)),
+)
+PLANNING = ("save_planner.py", "plan_cache.py", "prepare_local_plan", "prepare_global_plan")
+COMMIT = ("_commit_reused", "_commit_gathered")
+FSYNC_SMALL = 1 << 20  # fsyncs of smaller files (metadata, manifest) and of directories: the commit's
+
+
+def _timed_fsyncs(log: list):
+    """``os.fsync`` that appends (seconds, bytes of the file or -1 for a directory) to ``log``."""
+    import stat
+
+    fsync = os.fsync
+
+    def timed(fd):
+        start = time.perf_counter()
+        try:
+            return fsync(fd)
+        finally:
+            info = os.fstat(fd)
+            log.append((time.perf_counter() - start, -1 if stat.S_ISDIR(info.st_mode) else info.st_size))
+
+    return timed
+
+
+def profile_worker(rank, world, n_matrices, run_dir, rounds):
+    """``rounds`` steady dmuon saves under cProfile (after one unprofiled), each deleted after:
+    wall per save, this rank's profile rows and its fsyncs."""
+    import cProfile
+    import pstats
+
+    import dmuon.dcp as ddcp
+
+    model = build(n_matrices, dedicated=True, meta=True)
+    ddcp.save(model, None, f"{run_dir}/w{world}-profile-warm")  # first save: the full rounds, the probe
+    on_rank_zero(shutil.rmtree, f"{run_dir}/w{world}-profile-warm")
+    walls, stats, fsyncs = [], None, []
+    for round_ in range(rounds):
+        path = f"{run_dir}/w{world}-profile-{round_}"
+        profiler = cProfile.Profile()
+        harness.measure(lambda: None)  # (a barrier and a gc outside the profile)
+        plain_fsync, os.fsync = os.fsync, _timed_fsyncs(fsyncs)
+        start = time.perf_counter()
+        profiler.enable()
+        try:
+            ddcp.save(model, None, path)
+        finally:
+            profiler.disable()
+            os.fsync = plain_fsync
+        walls.append(time.perf_counter() - start)
+        stats = pstats.Stats(profiler) if stats is None else stats.add(profiler)
+        on_rank_zero(shutil.rmtree, path)
+    rows = [(pstats.func_std_string(func), tt, ct, nc) for func, (_cc, nc, tt, ct, _callers) in stats.stats.items()]
+    return {"walls": walls, "rows": rows, "fsyncs": fsyncs}
+
+
+def phases_of(result: dict) -> tuple[list[tuple[str, float]], float, float]:
+    """Seconds per phase over all profiled saves (disjoint; the rest is Python around them: the
+    plan's items, staging, framing, torch's DCP glue), the profiled total, and the commit's
+    step's time with callees (it overlaps the phases: its writes, fsyncs and waits)."""
+    rows = [r for r in result["rows"] if "timed" not in r[0]]  # (the fsync wrapper: timed apart)
+    total = sum(tt for _n, tt, _ct, _nc in result["rows"])
+    big = sum(t for t, size in result["fsyncs"] if size >= FSYNC_SMALL)
+    small = sum(t for t, size in result["fsyncs"] if size < FSYNC_SMALL)
+    out = [("fsync of the data file", big), ("fsyncs of the small files and directories (commit)", small)]
+    out += [(phase, sum(tt for name, tt, _ct, _nc in rows if any(m in name for m in matches)))
+            for phase, matches in LEAVES]
+    out.append(("planning (planner, plan cache)",
+                sum(ct for name, _tt, ct, _nc in rows if any(m in name for m in PLANNING)
+                    and name.rsplit("(", 1)[-1].rstrip(")") in ("set_up_planner", "create_local_plan",
+                                                                "create_global_plan", "finish_plan",
+                                                                "prepare_local_plan", "prepare_global_plan"))))
+    out.append(("everything else (Python: items, staging, framing, DCP glue)", total - sum(s for _, s in out)))
+    commit = max((ct for name, _tt, ct, _nc in rows if any(m in name for m in COMMIT)), default=0.0)
+    return out, total, commit
+
+
+def print_profile(label: str, world: int, per_rank: list[dict], share: float) -> list[dict]:
+    rounds = len(per_rank[0]["walls"])
+    print(f"\n[{label}] profile of {rounds} steady dmuon saves, {world} ranks, {share:.0f} MiB per rank "
+          f"(cProfile on every rank; its overhead inflates the Python phases)")
+    report = []
+    for rank, result in enumerate(per_rank):
+        phases, total, commit = phases_of(result)
+        wall = statistics.median(result["walls"])
+        report.append({"rank": rank, "walls": result["walls"], "profiled_s": total, "phases": phases,
+                       "commit_s": commit, "fsyncs": result["fsyncs"]})
+        print(f"  rank {rank}: save wall median {wall:.3f} s; per save, profiled {total / rounds:.3f} s:")
+        for phase, seconds in phases:
+            print(f"    {phase:<62}{seconds / rounds:>8.3f} s {100 * seconds / total:>5.1f}%")
+        if commit:
+            print(f"    (the commit step, with everything it called, overlapping the above: {commit / rounds:.3f} s)")
+    top = sorted(per_rank[0]["rows"], key=lambda r: -r[1])[:10]
+    print("  rank 0, top functions by own time per save:")
+    for name, tt, _ct, nc in top:
+        print(f"    {tt / rounds:>8.4f} s {nc // rounds:>7} calls  {name[-90:]}")
+    return report
 
 
 def reshard_save_worker(rank, world, n_matrices, path):
@@ -276,7 +400,8 @@ def reshard_load_worker(rank, world, n_matrices, path, repeats, warmup):
 # summarising (parent process)
 # ---------------------------------------------------------------------------------------------
 def merge(per_rank: list[dict]) -> dict:
-    """Per-rank samples -> one per repeat: wall of the slowest rank, CPU of every rank (a list)."""
+    """Per-rank samples -> one per repeat: wall of the slowest rank, CPU of every rank (a list);
+    with ``raw-best``, each repeat's fastest raw method per operation, if any raw ran."""
     merged: dict = {}
     for method, by_op in per_rank[0]["samples"].items():
         merged[method] = {}
@@ -285,6 +410,15 @@ def merge(per_rank: list[dict]) -> dict:
             merged[method][op] = [
                 {key: ([s[key] for s in row] if key == "cpu_s" else max(s[key] for s in row)) for key in row[0]}
                 for row in rows
+            ]
+    raws = [m for m in RAW_METHODS if m in merged]
+    if raws:
+        merged["raw-best"] = {}
+        for op in merged[raws[0]]:
+            merged["raw-best"][op] = [
+                {**min(row, key=lambda sample: sample["wall_s"]),
+                 "method": raws[min(range(len(row)), key=lambda i: row[i]["wall_s"])]}
+                for row in zip(*(merged[m][op] for m in raws))
             ]
     return merged
 
@@ -336,6 +470,10 @@ def print_world(label: str, world: int, result: dict, gib: float) -> None:
     share = [round(b / 2**20, 1) for b in result["share_bytes"]]
     samples = result["samples"]
     print_table(f"[{label}] {world} ranks; dmuon data file per rank {share} MiB", samples, gib)
+    if "raw-best" in samples:
+        for op, rows in samples["raw-best"].items():
+            won = [r["method"] for r in rows]
+            print(f"  raw-best {op}: " + ", ".join(f"{m} {won.count(m)}x" for m in dict.fromkeys(won)))
     if "async" in samples and "dmuon" in samples:
         block = harness.paired_ratio(series(samples["async"]["block"], "wall", gib),
                                      series(samples["dmuon"]["save"], "wall", gib))
@@ -408,6 +546,11 @@ def parse_args(argv=None):
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4], help="world sizes (default 2 4)")
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS + EXTRA_METHODS,
                         help="methods, interleaved (default: " + " ".join(METHODS) + ")")
+    parser.add_argument("--states", nargs="+", default=list(STATES), choices=STATES,
+                        help="page-cache states each save's loads are measured in (default: all three)")
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="after the measurements, N cProfiled steady dmuon saves per world size")
+    parser.add_argument("--no-device", action="store_true", help="skip the device bandwidth at the start")
     parser.add_argument("--reshard", type=_pair, nargs="*", default=[], metavar="A:B",
                         help="resharded loads, saved at A ranks, loaded at B (default: none)")
     parser.add_argument("--roots", nargs="+", default=None, metavar="DIR",
@@ -427,7 +570,7 @@ def main(argv=None) -> None:
     n_matrices = max(2, args.mib * 2**20 // (DIM * DIM * 4))
     model_bytes = n_matrices * DIM * DIM * 4
     gib = model_bytes / 2**30
-    methods = tuple(dict.fromkeys(args.methods))
+    methods = tuple(dict.fromkeys(m for name in args.methods for m in (RAW_METHODS if name == "raw" else (name,))))
     print("command: " + " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]))
     print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f} (1 min)")
     print(f"model: {n_matrices} x ({DIM}x{DIM}) fp32 = {model_bytes / 2**20:.0f} MiB, every other matrix "
@@ -454,13 +597,24 @@ def main(argv=None) -> None:
             run_dirs.append(run_dir)
             report["roots"].append({"root": root, "label": label, "run_dir": run_dir, "skipped": None})
             print(f"\n== storage root {label}: writing under {run_dir}", flush=True)
+            if not args.no_device and harness.fs_type(root) not in harness.TMPFS:
+                device = raw_io.device_bandwidth(run_dir)
+                report["roots"][-1]["device"] = device
+                print(f"device, one process, 1 GiB O_DIRECT in 64 MiB calls: write + fsync "
+                      f"{device['write_gib_s']:.2f} GiB/s, read {device['read_gib_s']:.2f} GiB/s", flush=True)
             for world in args.worlds:
                 per_rank = harness.run_ranks(worker, world, n_matrices, run_dir, methods, args.repeats,
-                                             args.warmup, timeout=args.timeout)
+                                             args.warmup, tuple(args.states), timeout=args.timeout)
                 result = {"share_bytes": [r["share_bytes"] for r in per_rank], "orders": per_rank[0]["orders"],
                           "samples": merge(per_rank)}
                 report["worlds"].append({"root": root, "world": world, **result})
                 print_world(label, world, result, gib)
+                sys.stdout.flush()
+            for world in args.worlds if args.profile else ():
+                per_rank = harness.run_ranks(profile_worker, world, n_matrices, run_dir, args.profile,
+                                             timeout=args.timeout)
+                profile = print_profile(label, world, per_rank, model_bytes / 2**20 / world)
+                report.setdefault("profiles", []).append({"root": root, "world": world, "ranks": profile})
                 sys.stdout.flush()
             for source in sorted({a for a, _ in args.reshard}):
                 path = f"{run_dir}/reshard-from-{source}"
