@@ -160,7 +160,7 @@ def write_direct(path: str, nbytes: int, source: Source, block: int = BIG_BLOCK)
         if nbytes > aligned:  # the unaligned tail, buffered
             tail = os.open(path, os.O_WRONLY)
             try:
-                os.pwrite(tail, source.view[: nbytes - aligned], aligned)
+                os.pwrite(tail, source.view[aligned % BIG_BLOCK :][: nbytes - aligned], aligned)
                 os.fsync(tail)
             finally:
                 os.close(tail)

@@ -576,7 +576,8 @@ def main(argv=None) -> None:
     print(f"model: {n_matrices} x ({DIM}x{DIM}) fp32 = {model_bytes / 2**20:.0f} MiB, every other matrix "
           "dedicated; torch DCP on the same model all-FSDP2")
     print(f"{args.repeats} repeats (+{args.warmup} warm-up), methods interleaved, order rotated; each save is "
-          "followed by a load in each page-cache state: natural (as the save left it), cold (dropped), warm")
+          f"followed by a load in each page-cache state of {args.states} (natural: as the save left it; cold: "
+          "dropped; warm: read once first)")
     report = {
         "command": [sys.executable, *sys.argv], "torch": torch.__version__, "cpus": os.cpu_count(),
         "loadavg_start": os.getloadavg(), "args": {k: v for k, v in vars(args).items()},
