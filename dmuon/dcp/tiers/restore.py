@@ -143,10 +143,13 @@ class _Fetch:
     size: int
 
 
-def _plan_fetches(candidate: Candidate, layout: NodeLayout, reads: list[dict]) -> list[_Fetch]:
+def _plan_fetches(
+    candidate: Candidate, layout: NodeLayout, reads: list[dict], trailers: dict[str, tuple[int, int]]
+) -> list[_Fetch]:
     """Which rank sends which ranges to which: for each node, the ranges its ranks read from
-    files it does not hold, from the nearest holder after it in the ring (spread over the
-    ranks of both nodes)."""
+    files it does not hold, and each such file's checksum trailer (``trailers``: file ->
+    (offset, length); a reader reads it first), from the nearest holder after it in the ring
+    (spread over the ranks of both nodes)."""
     nodes = layout.nodes
     per_node: dict[int, dict[str, list]] = defaultdict(lambda: defaultdict(list))
     for rank, rank_reads in enumerate(reads):
@@ -168,7 +171,7 @@ def _plan_fetches(candidate: Candidate, layout: NodeLayout, reads: list[dict]) -
                     name,
                     senders[k % len(senders)],
                     receivers[k % len(receivers)],
-                    merge_ranges(per_node[node][name]),
+                    merge_ranges(per_node[node][name] + ([trailers[name]] if name in trailers else [])),
                     candidate.files[name],
                 )
             )
@@ -213,7 +216,13 @@ def _restore_local(ctx: TierContext, candidate: Candidate, held: Holdings, model
     except CheckpointError as exc:  # a wrong model: every rank finds the same problems
         reads, mine = {}, exc
     agree(mine, groups.all_gather, f"step {step} does not fit the model", CheckpointMismatchError)
-    fetches = _plan_fetches(candidate, layout, groups.all_gather(reads))
+    manifest = copy.manifest()
+    trailers = {
+        name: (stats.sums_at, stats.size - stats.sums_at)
+        for name, stats in manifest.files.items()
+        if stats.sums_at is not None
+    }
+    fetches = _plan_fetches(candidate, layout, groups.all_gather(reads), trailers)
     view = tier.view_dir()
     if layout.is_leader:
         _build_view(view, candidate, held, copy)
