@@ -54,11 +54,17 @@ def param_shapes(spec: ModelSpec) -> list[tuple[str, tuple[int, ...]]]:
     out: list[tuple[str, tuple[int, ...]]] = [("embed_tokens.weight", (spec.vocab, d))]
     for i in range(spec.layers):
         p = f"layers.{i}"
-        out += [(f"{p}.self_attn.q_proj.weight", (d, d)), (f"{p}.self_attn.k_proj.weight", (kv, d)),
-                (f"{p}.self_attn.v_proj.weight", (kv, d)), (f"{p}.self_attn.o_proj.weight", (d, d)),
-                (f"{p}.mlp.gate_proj.weight", (f, d)), (f"{p}.mlp.up_proj.weight", (f, d)),
-                (f"{p}.mlp.down_proj.weight", (d, f)),
-                (f"{p}.input_layernorm.weight", (d,)), (f"{p}.post_attention_layernorm.weight", (d,))]
+        out += [
+            (f"{p}.self_attn.q_proj.weight", (d, d)),
+            (f"{p}.self_attn.k_proj.weight", (kv, d)),
+            (f"{p}.self_attn.v_proj.weight", (kv, d)),
+            (f"{p}.self_attn.o_proj.weight", (d, d)),
+            (f"{p}.mlp.gate_proj.weight", (f, d)),
+            (f"{p}.mlp.up_proj.weight", (f, d)),
+            (f"{p}.mlp.down_proj.weight", (d, f)),
+            (f"{p}.input_layernorm.weight", (d,)),
+            (f"{p}.post_attention_layernorm.weight", (d,)),
+        ]
     return out + [("norm.weight", (d,)), ("lm_head.weight", (spec.vocab, d))]
 
 
@@ -104,8 +110,15 @@ class ShardStub(torch.Tensor):
     chunk: ChunkStorageMetadata
 
     @staticmethod
-    def __new__(cls, shape: Sequence[int], dtype: torch.dtype, shard_index: int, shards: int,
-                replica: int = 0, replicas: int = 1) -> ShardStub:
+    def __new__(
+        cls,
+        shape: Sequence[int],
+        dtype: torch.dtype,
+        shard_index: int,
+        shards: int,
+        replica: int = 0,
+        replicas: int = 1,
+    ) -> ShardStub:
         stub = torch.Tensor._make_subclass(cls, stand_in(shape, dtype))
         # where a DTensor says which ranks hold copies of its chunk (HSDP's replicas)
         stub.device_mesh = StubMesh((replica, shard_index), (replicas, shards))
@@ -123,8 +136,11 @@ class ShardStub(torch.Tensor):
 
     def __create_write_items__(self, fqn: str, obj: Any) -> list[WriteItem]:
         chunk = self.chunk
-        data = TensorWriteData(chunk=ChunkStorageMetadata(chunk.offsets, chunk.sizes),
-                               properties=TensorProperties(dtype=self.dtype), size=self.shape)
+        data = TensorWriteData(
+            chunk=ChunkStorageMetadata(chunk.offsets, chunk.sizes),
+            properties=TensorProperties(dtype=self.dtype),
+            size=self.shape,
+        )
         return [WriteItem(index=MetadataIndex(fqn, chunk.offsets), type=WriteItemType.SHARD, tensor_data=data)]
 
     def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
@@ -180,6 +196,9 @@ class Model:
                 layout.entries[f"{MODEL_SECTION}.{fqn}"] = DedicatedEntry(shape, FP32, writer, owner)
                 key = f"{OPTIM_SECTION}.state.{fqn}.momentum_buffer"
                 layout.entries[key] = DedicatedEntry(shape, FP32, writer, owner)
+            elif not is_muon(fqn, shape):  # what AppState marks as held alike by every rank
+                layout.everywhere.add(f"{OPTIM_SECTION}.state.{fqn}.step")
+        layout.everywhere.add(f"{OPTIM_SECTION}.param_groups.")
         return layout
 
     def state(self, rank: int, layout: DedicatedLayout | None = None) -> dict[str, Any]:
@@ -196,17 +215,21 @@ class Model:
                 if is_muon(fqn, shape):  # torch's view: Muon's momentum as a shard too
                     adam[fqn] = {"momentum_buffer": ShardStub(shape, FP32, s, shards, r, self.mesh.replicate)}
                 else:
-                    adam[fqn] = {"step": stand_in(()),
-                                 "exp_avg": ShardStub(shape, FP32, s, shards, r, self.mesh.replicate),
-                                 "exp_avg_sq": ShardStub(shape, FP32, s, shards, r, self.mesh.replicate)}
+                    adam[fqn] = {
+                        "step": stand_in(()),
+                        "exp_avg": ShardStub(shape, FP32, s, shards, r, self.mesh.replicate),
+                        "exp_avg_sq": ShardStub(shape, FP32, s, shards, r, self.mesh.replicate),
+                    }
                 continue
             if owner[1] == s:  # every replica of the owner's shard column holds the master
                 model[fqn] = stand_in(shape)
             if owner == (r, s):  # the momentum: the global owner only
                 dedicated[fqn] = {"momentum_buffer": stand_in(shape)}
         groups = {name: dict(values) for name, values in PARAM_GROUPS.items()}
-        out: dict[str, Any] = {MODEL_SECTION: model, OPTIM_SECTION: {"state": {**adam, **dedicated},
-                                                                     "param_groups": groups}}
+        out: dict[str, Any] = {
+            MODEL_SECTION: model,
+            OPTIM_SECTION: {"state": {**adam, **dedicated}, "param_groups": groups},
+        }
         if self.owners:
             out[RESERVED_KEY] = layout if layout is not None else self.layout()
         return out
@@ -291,9 +314,16 @@ def tally(calls: Sequence[Call], world: int) -> dict[str, float]:
                     side[rank] += 2 * sizes[0]
         else:
             raise ValueError(call.kind)
-    return {"rank0_in": received[0], "rank0_out": sent[0], "other_in_max": max(received[1:], default=0),
-            "other_out_max": max(sent[1:], default=0), "total": sum(sent), "wire_rank0_in": win[0],
-            "wire_max_in": max(win), "wire_max_out": max(wout)}
+    return {
+        "rank0_in": received[0],
+        "rank0_out": sent[0],
+        "other_in_max": max(received[1:], default=0),
+        "other_out_max": max(sent[1:], default=0),
+        "total": sum(sent),
+        "wire_rank0_in": win[0],
+        "wire_max_in": max(win),
+        "wire_max_out": max(wout),
+    }
 
 
 def spread(world: int, count: int) -> Iterator[int]:

@@ -52,6 +52,10 @@ class DedicatedLayout:
     entries: dict[str, DedicatedEntry] = field(default_factory=dict)
     topology: tuple[int, int] = (1, 1)  # (replicate, shard) sizes at save
     order: list[str] = field(default_factory=list)  # the model section's keys, in model order
+    # keys (and key prefixes, ending in ".") that every rank holds alike, by construction: the
+    # step counts of AdamW's sharded parameters, the optimizer's hyper-parameters. One rank
+    # writes each (the save planner), instead of every rank offering it to the coordinator.
+    everywhere: set[str] = field(default_factory=set)
 
     def refuse_plain_planner(self, fqn: str, obj: Any) -> list:
         """DCP's checkpointable protocol (``compat.CREATE_WRITE_ITEMS``): a planner other than
@@ -93,6 +97,7 @@ def collect_layout(
                 found.add(f"{prefix}{key}")
                 layout.entries.update({prefix + rel: entry for rel, entry in value.entries.items()})
                 layout.order += [prefix + rel for rel in value.order]
+                layout.everywhere |= {prefix + rel for rel in value.everywhere}
                 layout.topology = value.topology
             elif isinstance(value, Mapping):
                 visit(value, f"{prefix}{key}.")
@@ -132,7 +137,8 @@ def model_state(model: nn.Module, layout: DedicatedLayout) -> dict[str, Any]:
 
 
 def optimizer_state(optimizer: Muon, layout: DedicatedLayout) -> dict[str, Any]:
-    state: dict[str, dict[str, Any]] = {fqn: dict(optimizer.state[p]) for fqn, p in optimizer.plain_adamw_params()}
+    plain = dict(optimizer.plain_adamw_params())
+    state: dict[str, dict[str, Any]] = {fqn: dict(optimizer.state[p]) for fqn, p in plain.items()}
     for rec in optimizer.registry or ():
         if not rec.trainable:
             continue
@@ -141,8 +147,19 @@ def optimizer_state(optimizer: Muon, layout: DedicatedLayout) -> dict[str, Any]:
         for name, kind in state_fields(rec).items():
             shape, dtype = state_field_spec(kind, rec)
             layout.entries[f"{OPTIM_SECTION}.state.{rec.fqn}.{name}"] = _entry(rec, shape, dtype)
+    for fqn in plain:
+        fields = state[fqn]
+        layout.everywhere |= {
+            f"{OPTIM_SECTION}.state.{fqn}.{name}" for name, value in fields.items() if not _sharded(value)
+        }
+    layout.everywhere.add(f"{OPTIM_SECTION}.param_groups.")
     groups = {group.pop("name"): group for group in hyperparameters(optimizer)}
     return {"state": state, "param_groups": groups}
+
+
+def _sharded(value: Any) -> bool:
+    """A DTensor (or its stand-in): each rank holds its own part, never the same as another's."""
+    return getattr(value, "placements", None) is not None
 
 
 class AppState:

@@ -145,8 +145,13 @@ class DMuonSavePlanner(DefaultSavePlanner):
         for key in layout_keys:
             mappings.pop(key, None)
         self.layout, self.topology, self.key_order = layout.entries, layout.topology, layout.order
+        self.everywhere = layout.everywhere
+        self.everywhere_prefixes = tuple(p for p in layout.everywhere if p.endswith("."))
         self.rank = current_rank()
         self._local_plan: SavePlan | None = None
+
+    def _everywhere(self, key: str) -> bool:
+        return key in self.everywhere or key.startswith(self.everywhere_prefixes)
 
     def _local_problems(self, state: dict[str, Any]) -> list[str]:
         """Dedicated keys holding the wrong thing, or missing on the rank that must write them."""
@@ -166,15 +171,29 @@ class DMuonSavePlanner(DefaultSavePlanner):
         problems = self._local_problems(everything)
         if problems:
             raise SaveRefusedError(problems)
-        # HSDP replicas hold copies of a dedicated weight: only its writer plans it
-        mine = {k: v for k, v in everything.items() if k not in self.layout or self.layout[k].writer == self.rank}
+        # HSDP replicas hold copies of a dedicated weight: only its writer plans it; a key every
+        # rank holds alike (an AppState says which), one rank plans
+        world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+        mine = {
+            k: v
+            for k, v in everything.items()
+            if (k not in self.layout or self.layout[k].writer == self.rank)
+            and (world == 1 or not self._everywhere(k) or zlib.crc32(k.encode()) % world == self.rank)
+        }
         compat.set_planner_flat_state(self, mine)
         try:
             plan = super().create_local_plan()
         finally:
             compat.set_planner_flat_state(self, everything)
         items = [item for item in plan.items if not _written_by_another_replica(item, everything.get(item.index.fqn))]
-        plan = self._local_plan = dataclasses.replace(plan, items=items) if len(items) < len(plan.items) else plan
+        # torch's planner attaches the flattening of every key of this rank's dict; the metadata
+        # needs those of the keys written, each from any rank that writes it: the coordinator
+        # then gathers one copy of each, not one per rank
+        written = {item.index.fqn for item in items}
+        mappings = plan.planner_data
+        if isinstance(mappings, dict):
+            mappings = {key: path for key, path in mappings.items() if key in written}
+        plan = self._local_plan = dataclasses.replace(plan, items=items, planner_data=mappings)
         return self.plan_cache.offer_local(plan) if self.plan_cache is not None else plan
 
     def _check(self, all_plans: list[SavePlan]) -> None:
