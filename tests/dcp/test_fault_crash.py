@@ -22,7 +22,7 @@ def crash_points(remote: bool):
     return [
         ("planning", "DMuonSavePlanner.create_local_plan", None, 1),
         ("writing data", "_ChecksummingStream.write", None, "random"),
-        ("between data and commit", "DMuonStorageWriter.commit_save", 0, 1),
+        ("between data and commit", "DMuonStorageWriter.commit_bytes", 0, 1),
         ("after manifest, before .metadata", put, 0, 2),
     ]
 

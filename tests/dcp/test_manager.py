@@ -89,7 +89,7 @@ def async_worker(rank, world, root):
         manager.save(step, model, opt)
     manager.wait()
     if rank == 0:  # the coordinator holds the commit back: step 3 stays "being written"
-        faults.on_call("DMuonStorageWriter.commit_save", faults.pause(3.0))
+        faults.on_call("DMuonStorageWriter.commit_bytes", faults.pause(3.0))
     manager.save(3, model, opt)
     seen = {}
     if rank == 0:

@@ -32,8 +32,8 @@ def dying_worker(rank, world, path, op, qualname, victim):
 @pytest.mark.parametrize("op,qualname,victim,phase,agent_store", [
     ("save", "DMuonSavePlanner.create_local_plan", 3, "planning", True),
     ("save", "DMuonStorageWriter._write_file", 5, "waiting for the other ranks' writes", True),
-    ("save", "DMuonStorageWriter.commit_save", 0, "waiting for the other ranks' writes", True),
-    ("save", "DMuonStorageWriter.commit_save", 0, "waiting for the other ranks' writes", False),
+    ("save", "DMuonStorageWriter.commit_bytes", 0, "waiting for the other ranks' writes", True),
+    ("save", "DMuonStorageWriter.commit_bytes", 0, "waiting for the other ranks' writes", False),
     ("load", "DMuonStorageReader._read_items", 6, "waiting for the other ranks' reads", True),
 ], ids=["save-planning", "save-writing", "save-commit-rank0", "save-commit-rank0-hosting-the-store", "load-reading"])
 def test_the_others_name_the_rank_that_died_and_the_phase(tmp_path, op, qualname, victim, phase, agent_store):
