@@ -80,6 +80,15 @@ def _renamed(rank_files: list[Written], save_id: str, key_prefixes: int) -> tupl
     return storage_data, files
 
 
+def _renamed_files(rank_files: list[Written], save_id: str, key_prefixes: int) -> dict[str, FileStats]:
+    """The data files of the cached layout under save ``save_id``'s names (no items)."""
+    return {
+        data_file_name(rank, save_id, key_prefixes): FileStats(file[0], None, sums_at=file[1])
+        for rank, (_, file) in enumerate(rank_files)
+        if file is not None
+    }
+
+
 def run_save(state: dict, writer: DMuonStorageWriter, planner: DMuonSavePlanner, group: Any = None) -> None:
     """Collective: save ``state`` with dmuon's planner and writer (module docstring)."""
     ranks = Ranks(group)
@@ -136,12 +145,13 @@ def _steady_save(
 def _commit_reused(writer: DMuonStorageWriter, cache: SavePlanCache, save_id: str) -> None:
     """Coordinator: commit the cached layout under save ``save_id``'s file names."""
     metadata, rank_files = cache.reused_commit()
-    storage_data, files = _renamed(rank_files, save_id, writer.key_prefixes)
+    files = _renamed_files(rank_files, save_id, writer.key_prefixes)
     url = _url(writer)
     data = _repickled(cache.pickled, save_id, url, len(files))
     if data is not None:
         writer.commit_bytes(data, files)
     else:
+        storage_data, _ = _renamed(rank_files, save_id, writer.key_prefixes)
         data = writer.commit_save(metadata, storage_data, files)
     cache.remember_pickled(data, save_id, url)
 
