@@ -209,6 +209,14 @@ def measure_async(model, path: str) -> dict:
     return {"wall_s": blocking, "cpu_s": cpu, "total_s": time.perf_counter() - start}
 
 
+def write_path_chosen() -> str:
+    """What dmuon's write-path probe chose in this process (after its first save): direct I/O or
+    buffered writes, and the probe's times; it decides most of a save's time on this machine."""
+    from dmuon.dcp.storage.write_path import known_choices
+
+    return "; ".join(choice.describe() for choice in known_choices().values()) or "no probe"
+
+
 def prepare(path: str, state: str) -> None:
     """Collective: put the checkpoint's files in ``state`` before a load."""
     if state == "cold":
@@ -229,6 +237,7 @@ def worker(rank, world, n_matrices, run_dir, methods, repeats, warmup, states=ST
     ddcp.save(model, None, sizing)
     share = sum(os.path.getsize(f"{sizing}/{n}") for n in os.listdir(sizing) if rank_of_data_file(n) == rank)
     on_rank_zero(shutil.rmtree, sizing)
+    write_path = write_path_chosen()
     ops = operations(rank, model, plain_model, share)
 
     loads = tuple(f"load-{state}" for state in states)
@@ -255,7 +264,7 @@ def worker(rank, world, n_matrices, run_dir, methods, repeats, warmup, states=ST
                     samples[method][op].append(sample)
     if "async" in methods:
         ddcp.api.model_checkpointer(model).close()  # frees its staging buffers
-    return {"share_bytes": share, "orders": orders, "samples": samples}
+    return {"share_bytes": share, "orders": orders, "samples": samples, "write_path": write_path}
 
 
 # Where a save's time goes. Disjoint leaves of cProfile's own time (tottime), matched in its
@@ -317,7 +326,7 @@ def profile_worker(rank, world, n_matrices, run_dir, rounds):
         stats = pstats.Stats(profiler) if stats is None else stats.add(profiler)
         on_rank_zero(shutil.rmtree, path)
     rows = [(pstats.func_std_string(func), tt, ct, nc) for func, (_cc, nc, tt, ct, _callers) in stats.stats.items()]
-    return {"walls": walls, "rows": rows, "fsyncs": fsyncs}
+    return {"walls": walls, "rows": rows, "fsyncs": fsyncs, "write_path": write_path_chosen()}
 
 
 def phases_of(result: dict) -> tuple[list[tuple[str, float]], float, float]:
@@ -350,8 +359,9 @@ def print_profile(label: str, world: int, per_rank: list[dict], share: float) ->
         phases, total, commit = phases_of(result)
         wall = statistics.median(result["walls"])
         report.append({"rank": rank, "walls": result["walls"], "profiled_s": total, "phases": phases,
-                       "commit_s": commit, "fsyncs": result["fsyncs"]})
-        print(f"  rank {rank}: save wall median {wall:.3f} s; per save, profiled {total / rounds:.3f} s:")
+                       "commit_s": commit, "fsyncs": result["fsyncs"], "write_path": result.get("write_path")})
+        print(f"  rank {rank}: save wall median {wall:.3f} s; per save, profiled {total / rounds:.3f} s; "
+              f"write path {result.get('write_path')}:")
         for phase, seconds in phases:
             print(f"    {phase:<62}{seconds / rounds:>8.3f} s {100 * seconds / total:>5.1f}%")
         if commit:
@@ -470,6 +480,8 @@ def print_world(label: str, world: int, result: dict, gib: float) -> None:
     share = [round(b / 2**20, 1) for b in result["share_bytes"]]
     samples = result["samples"]
     print_table(f"[{label}] {world} ranks; dmuon data file per rank {share} MiB", samples, gib)
+    for rank, chosen in enumerate(result.get("write_path") or []):
+        print(f"  rank {rank}: dmuon's write path {chosen}")
     if "raw-best" in samples:
         for op, rows in samples["raw-best"].items():
             won = [r["method"] for r in rows]
@@ -607,7 +619,7 @@ def main(argv=None) -> None:
                 per_rank = harness.run_ranks(worker, world, n_matrices, run_dir, methods, args.repeats,
                                              args.warmup, tuple(args.states), timeout=args.timeout)
                 result = {"share_bytes": [r["share_bytes"] for r in per_rank], "orders": per_rank[0]["orders"],
-                          "samples": merge(per_rank)}
+                          "samples": merge(per_rank), "write_path": [r.get("write_path") for r in per_rank]}
                 report["worlds"].append({"root": root, "world": world, **result})
                 print_world(label, world, result, gib)
                 sys.stdout.flush()
