@@ -126,7 +126,8 @@ def _full(world, phase, clock, planners, writers, caches, local) -> None:
         storage_data, files = split_write_results(r for rank_results in everyone for r in rank_results)
         data = writers[0].commit_save(metadata, storage_data, files)
         caches[0].remember_rank_files([save_protocol._written(rank_results) for rank_results in everyone])
-        caches[0].remember_pickled(data, writers[0].save_id, save_protocol._url(writers[0]))
+        caches[0].remember_commit(data, writers[0].save_id, save_protocol._url(writers[0]), files,
+                                  getattr(writers[0], "key_prefixes", 0))
     _all_reduce(phase, OUTCOME_AGREE)
     for cache, mine in zip(caches, written):
         cache.remember_written(mine)

@@ -85,15 +85,17 @@ class SavePlanCache:
     written: tuple | None = None
     # coordinator only: every rank's, to commit a save that wrote the same without asking
     rank_files: list[tuple[tuple, tuple[int, int | None] | None]] | None = None
-    # coordinator only: the previous commit's .metadata bytes, its save id and URL
+    # coordinator only: the previous commit's .metadata bytes, its save id and URL; and its
+    # data files (name -> stats) with the key-prefix setting they were named with
     pickled: tuple[bytes, str, str] | None = None
+    last_files: tuple[dict, int] | None = None
 
     def clear(self) -> None:
         self.token = None
         self.local_plan = self.final_plan = None
         self.all_local_plans = self.global_plans = None
         self.metadata = None
-        self.written = self.rank_files = self.pickled = None
+        self.written = self.rank_files = self.pickled = self.last_files = None
 
     # --- a save with no gather (save_protocol.py) ------------------------------------------------
     def token_number(self) -> int:
@@ -122,11 +124,13 @@ class SavePlanCache:
 
     def remember_rank_files(self, rank_files: list[tuple[tuple, tuple[int, int | None] | None]]) -> None:
         self.rank_files = rank_files
-        self.pickled = None
+        self.pickled = self.last_files = None
 
-    def remember_pickled(self, metadata_bytes: bytes, save_id: str, url: str) -> None:
-        """Coordinator: the ``.metadata`` bytes just committed, and the save id and URL in them."""
+    def remember_commit(self, metadata_bytes: bytes, save_id: str, url: str, files: dict, key_prefixes: int) -> None:
+        """Coordinator: the ``.metadata`` bytes just committed, the save id and URL in them, and
+        the data files of that save."""
         self.pickled = (metadata_bytes, save_id, url)
+        self.last_files = (files, key_prefixes)
 
     def reused_commit(self) -> tuple[Metadata, list[tuple[tuple, tuple[int, int | None] | None]]]:
         """Coordinator: the metadata and every rank's items and file of the cached layout."""

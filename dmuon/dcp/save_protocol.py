@@ -145,7 +145,9 @@ def _steady_save(
 def _commit_reused(writer: DMuonStorageWriter, cache: SavePlanCache, save_id: str) -> None:
     """Coordinator: commit the cached layout under save ``save_id``'s file names."""
     metadata, rank_files = cache.reused_commit()
-    files = _renamed_files(rank_files, save_id, writer.key_prefixes)
+    files = _files_renamed(cache, save_id, writer.key_prefixes)
+    if files is None:
+        files = _renamed_files(rank_files, save_id, writer.key_prefixes)
     url = _url(writer)
     data = _repickled(cache.pickled, save_id, url, len(files))
     if data is not None:
@@ -153,7 +155,17 @@ def _commit_reused(writer: DMuonStorageWriter, cache: SavePlanCache, save_id: st
     else:
         storage_data, _ = _renamed(rank_files, save_id, writer.key_prefixes)
         data = writer.commit_save(metadata, storage_data, files)
-    cache.remember_pickled(data, save_id, url)
+    cache.remember_commit(data, save_id, url, files, writer.key_prefixes)
+
+
+def _files_renamed(cache: SavePlanCache, save_id: str, key_prefixes: int) -> dict[str, FileStats] | None:
+    """The previous save's data files under this save's names (the id in each name replaced),
+    or None where they were named otherwise (another key-prefix setting)."""
+    if cache.pickled is None or cache.last_files is None or cache.last_files[1] != key_prefixes:
+        return None
+    old_id = cache.pickled[1]
+    files = {name.replace(old_id, save_id): stats for name, stats in cache.last_files[0].items()}
+    return files if len(files) == len(cache.last_files[0]) else None
 
 
 def _url(writer: DMuonStorageWriter) -> str:
@@ -233,7 +245,7 @@ def _commit_gathered(
                 data = writer.commit_save(metadata_of(), storage_data, files)
                 if cache is not None:
                     cache.remember_rank_files([_written(rank_results) for rank_results in everyone])
-                    cache.remember_pickled(data, writer.save_id or "", _url(writer))
+                    cache.remember_commit(data, writer.save_id or "", _url(writer), files, writer.key_prefixes)
             except Exception as exc:
                 problem = exc
     ranks.settle(problem, "the save failed")
