@@ -249,4 +249,7 @@ mon warn on pool no redundancy = false
 [client.rgw]
 rgw frontends = beast endpoint=127.0.0.1:{rgw_port}
 rgw data = {root}/rgw
+# parts under S3's 5 MiB minimum, for a scaled-down object of more than 10,000 smallest parts
+# (tests/dcp/storage/test_s3_part_sizes.py); SeaweedFS keeps S3's minimum under test
+rgw multipart min part size = 1024
 """

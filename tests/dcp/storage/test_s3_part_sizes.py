@@ -64,3 +64,25 @@ def test_growing_parts_make_one_object_through_a_real_server(request, backend):
         assert store.fs.cat_file(path) == block * (size // len(block))
     finally:
         store.remove_tree()
+
+
+@pytest.mark.slow
+def test_an_object_past_10000_of_its_smallest_parts_through_a_real_server(rgw_server):
+    """Issue 37's case, scaled down: with 1 KiB first parts (doubling every 1,000, as 16 MiB ones
+    do in use), an object of 12,000 KiB, past 10,000 x its smallest part, goes up as one intact
+    object of fewer than 10,000 parts. (Ceph's gateway, told to take parts under S3's 5 MiB
+    minimum; with the real sizes the same object would be 187 GiB.)"""
+    store = FsspecStore(rgw_server.url(), rgw_server.storage_options)
+    first, size = 1 << 10, 12_000 << 10
+    block = bytes(range(256)) * 64  # 16 KiB of a known pattern
+    path = f"{store.root}/past-10000"
+    try:
+        with S3ParallelWriter(store.fs, path, part_bytes=first, concurrency=8) as f:
+            for _ in range(size // len(block)):
+                f.write(block)
+            parts = f._parts_sent + (1 if f._part else 0)
+        assert size > 10_000 * first and parts == len(parts_for(size, first)) < 10_000
+        assert store.fs.size(path) == size
+        assert store.fs.cat_file(path) == block * (size // len(block))
+    finally:
+        store.remove_tree()
