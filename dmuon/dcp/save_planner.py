@@ -180,6 +180,7 @@ class DMuonSavePlanner(DefaultSavePlanner):
             if (k not in self.layout or self.layout[k].writer == self.rank)
             and (world == 1 or not self._everywhere(k) or zlib.crc32(k.encode()) % world == self.rank)
         }
+        self._held_everywhere = [k for k in everything if self._everywhere(k)]
         compat.set_planner_flat_state(self, mine)
         try:
             plan = super().create_local_plan()
@@ -198,6 +199,13 @@ class DMuonSavePlanner(DefaultSavePlanner):
 
     def _check(self, all_plans: list[SavePlan]) -> None:
         problems = []
+        planned = {item.index.fqn for plan in all_plans for item in plan.items}
+        for key in getattr(self, "_held_everywhere", ()):
+            if key not in planned:  # (its rank is not in this save's group: refused, not lost)
+                problems.append(
+                    f"{key}: held alike by every rank but planned by none (a process group that is "
+                    "not the whole job? dmuon's planners save over the default group)"
+                )
         writers: dict[str, list[tuple[int, WriteItem]]] = defaultdict(list)
         seen: dict[tuple, tuple[int, tuple]] = {}
         for rank, plan in enumerate(all_plans):
