@@ -71,8 +71,8 @@ class Ranks:
     def raise_everyones(self, mine: BaseException | None, what: str) -> None:
         """Collective, on a path where some rank failed: raise every rank's failure on every
         rank (as torch's ``CheckpointException``, as ``dcp.save`` would)."""
-        mine_wrapped = wrapped(mine)
-        everyone = [mine_wrapped] if self.world == 1 else [None] * self.world
+        mine_wrapped: Any = wrapped(mine)
+        everyone: list[Any] = [mine_wrapped] if self.world == 1 else [None] * self.world
         if self.world > 1:
             dist.all_gather_object(everyone, mine_wrapped, group=self.group)
         raise_failures({rank: failure for rank, failure in enumerate(everyone) if failure is not None}, what)
