@@ -35,8 +35,6 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import ctypes
-import ctypes.util
 import mmap
 import os
 import statistics
@@ -44,37 +42,19 @@ import sys
 import tempfile
 import time
 
+from dmuon.dcp.storage.write_behind import start_writeback  # (the writer's own writeback kick)
+
 O_DIRECT = getattr(os, "O_DIRECT", 0)
 ALIGN = 4096
 BLOCK = 4 << 20  # bytes per write/read call of the plain methods
 BIG_BLOCK = 16 << 20  # bytes per call of the sequential and direct methods
 WINDOW = 16 << 20  # bytes between two starts of writeback
 THREADS = 2
-_SYNC_FILE_RANGE_WRITE = 2
 
 WRITES = ("plain", "behind", "threads", "direct")
 READS = ("plain", "seq", "threads", "direct")
 
 
-def _sync_file_range():
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return None
-    try:
-        function = ctypes.CDLL(name, use_errno=True).sync_file_range
-    except (OSError, AttributeError):
-        return None
-    function.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-    function.restype = ctypes.c_int
-    return function
-
-
-_SFR = _sync_file_range()
-
-
-def start_writeback(fd: int, offset: int, length: int) -> None:
-    if _SFR is not None:
-        _SFR(fd, offset, length, _SYNC_FILE_RANGE_WRITE)
 
 
 def aligned_buffer(nbytes: int, fill: bytes | None = None) -> mmap.mmap:
