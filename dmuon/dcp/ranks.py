@@ -16,7 +16,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
-from .agreement import broadcast_over
 from .cooperative import exchange_device
 
 __all__ = ["Ranks", "raise_failures", "wrapped"]
@@ -57,10 +56,6 @@ class Ranks:
         box: list[Any] = [None]
         dist.scatter_object_list(box, objs, group=self.group, group_src=0)
         return box[0]
-
-    def broadcast(self, obj: Any) -> Any:
-        """The coordinator's ``obj`` on every rank."""
-        return obj if self.world == 1 else broadcast_over(self.group)(obj, 0)
 
     def settle(self, mine: BaseException | None, what: str) -> None:
         """Collective: return on every rank if no rank failed (one all-reduce of one integer);
