@@ -25,18 +25,18 @@ import tempfile
 import time
 
 from harness import cpu_seconds
-from save_load import raw_write  # the raw baseline's write + fsync
+from raw_io import Source, write_plain  # the raw baseline's plain write + fsync
 
 PAGE = mmap.PAGESIZE
 WRITE = 8 << 20  # bytes per write call
 
 
-def buffered_write_cpu(path: str, nbytes: int, block: bytes) -> float:
-    """CPU seconds of one buffered write + fsync of ``nbytes`` (``block`` repeated) to a new
-    file, written as ``save_load.py``'s raw baseline writes; the file is removed after."""
+def buffered_write_cpu(path: str, nbytes: int, source: Source) -> float:
+    """CPU seconds of one buffered write + fsync of ``nbytes`` to a new file, written as
+    ``raw_io.py``'s plain raw method writes them; the file is removed after."""
     start = cpu_seconds()
     try:
-        raw_write(path, nbytes, block)
+        write_plain(path, nbytes, source)
         return cpu_seconds() - start
     finally:
         os.remove(path)
@@ -62,11 +62,11 @@ def main(argv=None) -> None:
     parser.add_argument("--idle", type=float, default=20, help="seconds asleep before the last writes (default 20)")
     args = parser.parse_args(argv)
 
-    block = os.urandom(WRITE)
+    source = Source()
     path = os.path.join(args.dir, f"dmuon-first-touch-{os.getpid()}.bin")
 
     def writes(n: int) -> str:
-        return ", ".join(f"{buffered_write_cpu(path, args.mib << 20, block):.3f}" for _ in range(n))
+        return ", ".join(f"{buffered_write_cpu(path, args.mib << 20, source):.3f}" for _ in range(n))
 
     print(f"buffered write + fsync of {args.mib} MiB to {args.dir}, CPU seconds each")
     print(f"  back to back:                 {writes(6)}")

@@ -17,6 +17,7 @@ import logging
 import os
 import re
 import shutil
+import time
 import uuid
 from collections.abc import Iterator
 from typing import BinaryIO, cast
@@ -25,7 +26,7 @@ from .base import checked_name, temp_name
 from .direct_io import O_DIRECT, DirectFile
 from .retry import RetryPolicy
 from .write_behind import WriteBehindFile
-from .write_path import choose_write_path
+from .write_path import choose_write_path, observe_buffered_write
 
 __all__ = ["DIRECT_IO_FILESYSTEMS", "LOCAL_DIRECT_IO_OPTION", "LocalStore", "filesystem_type", "open_local_store"]
 
@@ -91,7 +92,10 @@ class LocalStore:
             yield f
             f.flush()
             if self.sync_files:
+                began = time.perf_counter()
                 os.fsync(f.fileno())
+                if isinstance(f, WriteBehindFile) and self.direct_io is None:  # (buffered by choice)
+                    observe_buffered_write(self.root, f.tell(), f.io_seconds + time.perf_counter() - began)
             f.close()
         except BaseException:
             f.close()

@@ -9,16 +9,29 @@ depends on the device, the kernel and the VM, not on the filesystem's name, so t
 streamed write into a filesystem times both, with the same bytes, alternately, and keeps the
 answer for that filesystem in this process:
 
-* each way, ``PROBE_BYTES`` are written and fsynced into a temporary file of the checkpoint
-  directory (removed after), then read back once, as a load right after the save would find
-  them: from memory after a buffered write, from the device after a direct one. Twice each way,
-  alternately; the minimum of each is kept;
-* direct I/O is chosen only when its write plus read-back takes at most ``DIRECT_MARGIN`` of
-  the buffered write plus read-back: a save is never made faster by making the next load of
-  the same node slower than it gains;
+* each way, ``PROBE_BYTES`` are written and fsynced into a new temporary file of the
+  checkpoint directory, then read back once, as a load right after the save would find them:
+  from memory after a buffered write, from the device after a direct one. Twice each way,
+  alternately; the minimum of each is kept. Every trial writes a file of its own, and all of
+  them stay until the probe ends: a save of gigabytes needs page-cache pages the kernel has
+  not just freed, and on some VMs such pages cost 30 times the CPU of recycled ones (measured
+  here: ``benchmarks/page_first_touch.py``, 0.05 against 1.5-2.9 CPU-s for 256 MiB). A probe
+  that rewrote one file timed the cheap case and chose buffered writes for saves that then
+  ran 3-12x slower than direct I/O;
+* direct I/O is chosen when its write plus read-back takes no longer than the buffered write
+  plus read-back: a save is never made faster by making the next load of the same node slower
+  than it gains, and at equal wall time direct I/O spares the CPU and the training job's page
+  cache;
 * a filesystem that refuses ``O_DIRECT``, or whose ``O_DIRECT`` is not plain (tmpfs, network
   and cluster filesystems, btrfs: ``local.DIRECT_IO_FILESYSTEMS``), gets buffered writes
   without a probe.
+
+A 32 MiB probe cannot see everything a save of gigabytes meets (on this project's VM the
+probe's pages came back recycled and cheap a third of the time, the save's never), so every
+buffered data file of at least ``OBSERVED_MIN_BYTES`` is timed as it is written (the time in
+its writes, writeback kicks and fsync: :func:`observe_buffered_write`): when its bytes went
+out slower than the probe's direct cycle, later files in that filesystem are written direct.
+A choice never goes back from direct to buffered within a process.
 
 The explicit ``direct_io=`` storage option skips all this and wins. Each choice is logged once
 (logger ``dmuon.dcp.storage.write_path``, INFO) with the four timings; :func:`known_choices`
@@ -28,6 +41,7 @@ lists them and :func:`forget_choices` drops them (the next write probes again).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import logging
 import mmap
@@ -40,12 +54,22 @@ from dataclasses import dataclass
 from .direct_io import O_DIRECT
 from .write_behind import WRITE_BEHIND_WINDOW, start_writeback
 
-__all__ = ["DIRECT_MARGIN", "PROBE_BYTES", "WritePathChoice", "choose_write_path", "forget_choices", "known_choices"]
+__all__ = [
+    "DIRECT_MARGIN",
+    "OBSERVED_MIN_BYTES",
+    "PROBE_BYTES",
+    "WritePathChoice",
+    "choose_write_path",
+    "forget_choices",
+    "known_choices",
+    "observe_buffered_write",
+]
 
 log = logging.getLogger(__name__)
 
 PROBE_BYTES = 32 << 20
-DIRECT_MARGIN = 0.85
+DIRECT_MARGIN = 1.0  # direct when its save + load cycle is at most this times buffered's
+OBSERVED_MIN_BYTES = 64 << 20  # buffered files at least this large are timed as they are written
 _CHUNK = 256 << 10  # page-aligned (mmap): what O_DIRECT needs of memory
 _PROBE_PREFIX = ".dmuon-write-probe-"
 
@@ -111,30 +135,60 @@ def choose_write_path(root: str, direct_possible: bool) -> WritePathChoice:
 _NOT_AN_OPTION = WritePathChoice(False, "direct I/O is not an option on this filesystem")
 
 
+def observe_buffered_write(root: str, nbytes: int, seconds: float) -> WritePathChoice | None:
+    """A buffered data file of ``nbytes`` under ``root`` took ``seconds`` in its writes,
+    writeback kicks and fsync. When that, per byte and with the probe's read-back from memory
+    added, is slower than the probe's direct write and read-back, the filesystem's choice
+    becomes direct I/O (returned, and logged); None when it stays as it was."""
+    if nbytes < OBSERVED_MIN_BYTES:
+        return None
+    device = os.stat(root).st_dev
+    with _lock:
+        known = _choices.get(device)
+        if known is None or known.direct or None in (known.direct_s, known.direct_read_s, known.buffered_read_s):
+            return None  # (not probed: direct I/O is no option here, or the caller chose)
+        assert known.direct_s is not None and known.direct_read_s is not None and known.buffered_read_s is not None
+        buffered_cycle = seconds / nbytes + known.buffered_read_s / PROBE_BYTES
+        direct_cycle = (known.direct_s + known.direct_read_s) / PROBE_BYTES
+        if direct_cycle > DIRECT_MARGIN * buffered_cycle:
+            return None
+        rate = nbytes / seconds / (1 << 20) if seconds > 0 else float("inf")
+        changed = dataclasses.replace(
+            known,
+            direct=True,
+            reason=f"a {nbytes >> 20} MiB buffered file then went out at {rate:.0f} MiB/s, slower than direct's probe",
+        )
+        _choices[device] = changed
+    log.info("%s: %s", root, changed.describe())
+    return changed
+
+
 def _probe(root: str) -> WritePathChoice:
     """Both ways from one page-aligned 256 KiB buffer (about all the memory a probe may take:
     it runs inside the first save, whose peak memory is bounded)."""
     chunk = mmap.mmap(-1, _CHUNK)
     chunk.write(os.urandom(_CHUNK))  # (incompressible, whatever the filesystem does with zeros)
     view = memoryview(chunk)  # (released before the map is closed, also when a write fails)
-    path = os.path.join(root, f"{_PROBE_PREFIX}{uuid.uuid4().hex}")
+    paths: list[str] = []  # one new file per trial, all removed at the end
     writes: dict[bool, list[float]] = {False: [], True: []}
     reads: dict[bool, list[float]] = {False: [], True: []}
     try:
         for _ in range(2):
             for direct in (False, True):
+                paths.append(os.path.join(root, f"{_PROBE_PREFIX}{uuid.uuid4().hex}"))
                 try:
-                    writes[direct].append(_timed_write(path, view, direct))
+                    writes[direct].append(_timed_write(paths[-1], view, direct))
                 except OSError as error:
                     if direct and error.errno == errno.EINVAL:
                         return WritePathChoice(False, "the filesystem refuses O_DIRECT")
                     raise
-                reads[direct].append(_timed_read(path, view))
+                reads[direct].append(_timed_read(paths[-1], view))
     finally:
         view.release()
         chunk.close()
-        with contextlib.suppress(OSError):
-            os.remove(path)
+        for path in paths:
+            with contextlib.suppress(OSError):
+                os.remove(path)
     timings = {
         "buffered_s": min(writes[False]),
         "direct_s": min(writes[True]),
@@ -144,8 +198,8 @@ def _probe(root: str) -> WritePathChoice:
     buffered_cycle = timings["buffered_s"] + timings["buffered_read_s"]
     direct_cycle = timings["direct_s"] + timings["direct_read_s"]
     if direct_cycle <= DIRECT_MARGIN * buffered_cycle:
-        return WritePathChoice(True, f"direct's save and load took <= {DIRECT_MARGIN:.0%} of buffered's", **timings)
-    return WritePathChoice(False, f"direct's save and load did not beat {DIRECT_MARGIN:.0%} of buffered's", **timings)
+        return WritePathChoice(True, "direct's save and load took no longer than buffered's", **timings)
+    return WritePathChoice(False, "direct's save and load took longer than buffered's", **timings)
 
 
 def _timed_write(path: str, chunk: memoryview, direct: bool) -> float:

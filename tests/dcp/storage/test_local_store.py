@@ -236,3 +236,45 @@ def test_an_explicit_direct_io_option_wins_over_the_probe(tmp_path, direct):
         f.write(b"x" * 5000)
     assert write_path.known_choices() == {}  # no probe ran
     assert store.read("data") == b"x" * 5000
+
+
+def _probed_buffered(monkeypatch, direct_s: float, direct_read_s: float) -> None:
+    """The probe's answer fixed (buffered writes, with these direct timings): what follows it
+    is the rule under test, not this machine's timings."""
+    answer = write_path.WritePathChoice(False, "fixed by the test", 0.030, direct_s, 0.001, direct_read_s)
+    monkeypatch.setattr(write_path, "_probe", lambda root: answer)
+    write_path.forget_choices()
+
+
+def test_a_slow_buffered_file_turns_the_filesystem_to_direct_io(tmp_path, monkeypatch):
+    _probed_buffered(monkeypatch, direct_s=0.040, direct_read_s=0.010)  # direct: 32 MiB in 50 ms
+    root = str(tmp_path)
+    assert not write_path.choose_write_path(root, True).direct
+    small, big = write_path.OBSERVED_MIN_BYTES - 1, write_path.OBSERVED_MIN_BYTES
+    assert write_path.observe_buffered_write(root, small, 100.0) is None  # too small to judge by
+    assert write_path.observe_buffered_write(root, big, 0.05) is None  # faster than direct: stays
+    assert not write_path.choose_write_path(root, True).direct
+    changed = write_path.observe_buffered_write(root, big, 1.0)  # 64 MiB/s: slower than direct
+    assert changed is not None and changed.direct and "64 MiB/s" in changed.reason
+    assert write_path.choose_write_path(root, True) == changed
+    assert write_path.observe_buffered_write(root, big, 100.0) is None  # never back, never again
+    write_path.forget_choices()
+
+
+def test_the_store_reports_its_buffered_data_files(tmp_path, monkeypatch):
+    if filesystem_type(str(tmp_path)) not in DIRECT_IO_FILESYSTEMS:
+        pytest.skip("no direct I/O here")
+    _probed_buffered(monkeypatch, direct_s=0.0, direct_read_s=0.0)  # any real write is slower
+    store = LocalStore(str(tmp_path / "ckpt"))
+    store.makedirs()
+    data = os.urandom(1 << 20) * (write_path.OBSERVED_MIN_BYTES >> 20)
+    with store.open_write("first") as f:
+        assert not isinstance(f, DirectFile)
+        f.write(data)
+    store.put("small", b"x")  # small files are never judged, and never direct
+    store = LocalStore(str(tmp_path / "ckpt"))  # (a store resolves its way once: the next save's)
+    with store.open_write("second") as f:
+        assert isinstance(f, DirectFile)
+        f.write(data)
+    assert store.read("first") == data and store.read("second") == data
+    write_path.forget_choices()
