@@ -24,9 +24,10 @@ from typing import BinaryIO, cast
 
 from .base import checked_name, temp_name
 from .direct_io import O_DIRECT, DirectFile
+from .direct_read import DIRECT_READ_MIN_BYTES, DirectReadFile, is_cold
 from .retry import RetryPolicy
 from .write_behind import WriteBehindFile
-from .write_path import choose_write_path, observe_buffered_write
+from .write_path import choice_for, choose_write_path, observe_buffered_write
 
 __all__ = ["DIRECT_IO_FILESYSTEMS", "LOCAL_DIRECT_IO_OPTION", "LocalStore", "filesystem_type", "open_local_store"]
 
@@ -55,17 +56,30 @@ class LocalStore:
         self.sync_files = sync_files
         self.direct_io = direct_io
         self._direct: bool | None = None  # resolved on the first streamed write
+        self._plain: bool | None = None  # whether O_DIRECT here is plain (resolved once)
+
+    def _direct_is_plain(self) -> bool:
+        if self._plain is None:
+            self._plain = bool(O_DIRECT) and filesystem_type(self.root) in DIRECT_IO_FILESYSTEMS
+        return self._plain
 
     def _use_direct_io(self) -> bool:
         if self._direct is None:
             if self.direct_io is None:
-                plain = bool(O_DIRECT) and filesystem_type(self.root) in DIRECT_IO_FILESYSTEMS
-                self._direct = choose_write_path(self.root, plain).direct
+                self._direct = choose_write_path(self.root, self._direct_is_plain()).direct
             elif self.direct_io and not O_DIRECT:
                 raise ValueError(f"direct_io=True for {self.root}, but this platform has no O_DIRECT")
             else:
                 self._direct = self.direct_io
         return self._direct
+
+    def _reads_direct(self) -> bool:
+        if self.direct_io is False or not self._direct_is_plain():
+            return False
+        if self.direct_io:
+            return True
+        known = choice_for(self.root)
+        return known is not None and known.direct
 
     def _path(self, name: str) -> str:
         return os.path.join(self.root, checked_name(name))
@@ -118,7 +132,20 @@ class LocalStore:
         return open(path, "wb")
 
     def open_read(self, name: str) -> BinaryIO:
-        return cast(BinaryIO, LocalReadFile(self._path(name)))
+        """A data file none of which is in the page cache is read past the cache
+        (``direct_read.py``) where writes go past it too: ``direct_io=True``, or the default
+        where this process's saves found direct I/O faster (``write_path.py``; a process that
+        loads before it saves reads through the cache)."""
+        path = self._path(name)
+        if self._reads_direct():
+            size = os.path.getsize(path)
+            if size >= DIRECT_READ_MIN_BYTES and is_cold(path, size):
+                try:
+                    return cast(BinaryIO, DirectReadFile(path))
+                except OSError as error:
+                    if error.errno != errno.EINVAL:
+                        raise  # (EINVAL: O_DIRECT refused after all; read through the cache)
+        return cast(BinaryIO, LocalReadFile(path))
 
     def read(self, name: str) -> bytes:
         with self.open_read(name) as f:

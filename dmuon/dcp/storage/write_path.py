@@ -59,6 +59,7 @@ __all__ = [
     "OBSERVED_MIN_BYTES",
     "PROBE_BYTES",
     "WritePathChoice",
+    "choice_for",
     "choose_write_path",
     "forget_choices",
     "known_choices",
@@ -108,6 +109,14 @@ def known_choices() -> dict[int, WritePathChoice]:
     """The choices made so far in this process, by filesystem (``st_dev``)."""
     with _lock:
         return dict(_choices)
+
+
+def choice_for(root: str) -> WritePathChoice | None:
+    """What this process chose for the filesystem of ``root`` so far; None before its first
+    streamed write there (nothing is probed here)."""
+    device = os.stat(root).st_dev
+    with _lock:
+        return _choices.get(device)
 
 
 def forget_choices() -> None:
