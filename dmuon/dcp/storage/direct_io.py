@@ -17,7 +17,15 @@ import threading
 
 import numpy
 
-__all__ = ["BORROW_MIN_BYTES", "DIRECT_IO_ALIGN", "MAX_BORROWED_BYTES", "O_DIRECT", "STAGING_BYTES", "DirectFile"]
+__all__ = [
+    "BATCH_BYTES",
+    "BORROW_MIN_BYTES",
+    "DIRECT_IO_ALIGN",
+    "MAX_BORROWED_BYTES",
+    "O_DIRECT",
+    "STAGING_BYTES",
+    "DirectFile",
+]
 
 O_DIRECT = getattr(os, "O_DIRECT", 0)  # Linux (and a few others) only; 0 where there is none
 DIRECT_IO_ALIGN = 4096  # offset, length and address alignment O_DIRECT needs (>= logical block size)
@@ -25,6 +33,8 @@ STAGING_BYTES = 8 << 20  # per staging buffer; two per open file
 # Borrowed writes (DirectFile.write_borrowed): below this size a buffer is copied, since lining
 # it up costs the writer up to DIRECT_IO_ALIGN bytes of padding in the file (<= 0.4% here).
 BORROW_MIN_BYTES = 1 << 20
+# Bytes gathered into one request to the device before it is queued (staged and borrowed).
+BATCH_BYTES = 16 << 20
 # Caller memory the background thread may still be reading: bounds how much a caller's
 # temporary buffers (a GPU tensor's CPU copy, say) are kept alive by writes in flight.
 MAX_BORROWED_BYTES = 64 << 20
@@ -60,11 +70,19 @@ class DirectFile:
         self._maps = [mmap.mmap(-1, STAGING_BYTES) for _ in range(2)]
         self._views = [memoryview(staging) for staging in self._maps]
         self._filling, self._filled = self._views[0], 0  # the buffer being filled, bytes in it
-        self._base = 0  # file offset of self._filling[0]; always aligned
+        self._segment = 0  # where in it the staged bytes not yet in a pending request start
+        self._segment_at = 0  # file offset of self._filling[self._segment]; always aligned
+        # The next request, gathered until it holds BATCH_BYTES: pieces of the staging buffer
+        # and borrowed buffers, in file order from self._pending_at, and the Events of the
+        # borrowed ones (set once written).
+        self._pending: list[memoryview] = []
+        self._pending_at = 0
+        self._pending_done: list[threading.Event] = []
         self._free: queue.SimpleQueue = queue.SimpleQueue()
         self._free.put(self._views[1])
-        # (buffers written as one, file offset, staging buffer to hand back or None, Event set
-        # when written or None); None stops the thread. Jobs run in order, one at a time.
+        # (buffers written as one, file offset, staging buffer to hand back or None, Events to
+        # set when written); None stops the thread. Jobs run in order, one at a time, so a
+        # staging buffer handed back with a job is no longer read by any.
         self._jobs: queue.Queue = queue.Queue()
         self._borrowed: collections.deque = collections.deque()  # (Event, nbytes) of borrowed jobs
         self._borrowed_bytes = 0
@@ -76,6 +94,10 @@ class DirectFile:
     def fileno(self) -> int:
         return self._fd
 
+    def _position(self) -> int:
+        """The file offset the next byte written goes to."""
+        return self._segment_at + self._filled - self._segment
+
     def write(self, data) -> int:
         view = memoryview(data).cast("B")
         total = view.nbytes
@@ -85,7 +107,8 @@ class DirectFile:
             self._filled += take
             view = view[take:]
             if self._filled == STAGING_BYTES:
-                self._hand_over_staging()
+                self._add_segment()
+                self._submit(hand_back_staging=True)
         return total
 
     def write_borrowed(self, data) -> int:
@@ -93,54 +116,75 @@ class DirectFile:
         file position modulo :data:`DIRECT_IO_ALIGN`) is written from its own memory by the
         background thread: the caller must leave it unchanged until :meth:`flush` returns."""
         view = memoryview(data).cast("B")
-        to_boundary = -(self._base + self._filled) % DIRECT_IO_ALIGN
+        to_boundary = -self._position() % DIRECT_IO_ALIGN
         in_place = (view.nbytes - to_boundary) // DIRECT_IO_ALIGN * DIRECT_IO_ALIGN
         if in_place < self.borrow_min_bytes or (_address(view) + to_boundary) % DIRECT_IO_ALIGN:
             return self.write(view)
         self.write(view[:to_boundary])  # the file position is now aligned, and so is the rest
         while self._borrowed and self._borrowed_bytes + in_place > MAX_BORROWED_BYTES:
             done, nbytes = self._borrowed.popleft()
+            if not done.is_set() and any(done is pending for pending in self._pending_done):
+                self._submit(hand_back_staging=False)  # (it waits in the request being gathered)
             done.wait()
             self._borrowed_bytes -= nbytes
         done = threading.Event()
         self._borrowed.append((done, in_place))
         self._borrowed_bytes += in_place
         self.in_place_bytes += in_place
-        # what is staged goes out in the same request: a small write of its own would wait
-        # behind other writers' large ones in the device's queue
-        self._hand_over_staging(view[to_boundary : to_boundary + in_place], done)
+        # What is staged goes out in the same request as the borrowed bytes after it, and
+        # requests are gathered up to BATCH_BYTES: this project's virtual disk took 16 MiB
+        # requests at 1.5x the rate of 4 MiB ones when two ranks wrote at once.
+        self._add_segment()
+        if not self._pending:
+            self._pending_at = self._segment_at
+        self._pending.append(view[to_boundary : to_boundary + in_place])
+        self._pending_done.append(done)
+        self._segment_at += in_place
+        if sum(piece.nbytes for piece in self._pending) >= BATCH_BYTES:
+            self._submit(hand_back_staging=False)
         self.write(view[to_boundary + in_place :])
         return view.nbytes
 
-    def _hand_over_staging(self, borrowed: memoryview | None = None, done: threading.Event | None = None) -> None:
-        """Queue the filled part of the staging buffer (an aligned length), followed in the
-        file by ``borrowed`` if given, and take the other buffer back once the thread has
-        written it."""
-        buffers = [self._filling[: self._filled]] if self._filled else []
-        if borrowed is not None:
-            buffers.append(borrowed)
-        self._jobs.put((buffers, self._base, self._filling if self._filled else None, done))
-        self._base += sum(buffer.nbytes for buffer in buffers)
-        if self._filled:
-            self._filling, self._filled = self._free.get(), 0
+    def _add_segment(self, stop: int | None = None) -> None:
+        """The staged bytes from the segment's start to ``stop`` (default: all filled; an
+        aligned length) join the pending request."""
+        stop = self._filled if stop is None else stop
+        if stop > self._segment:
+            if not self._pending:
+                self._pending_at = self._segment_at
+            self._pending.append(self._filling[self._segment : stop])
+            self._segment_at += stop - self._segment
+            self._segment = stop
+
+    def _submit(self, hand_back_staging: bool) -> None:
+        """Queue the pending request. ``hand_back_staging``: the staging buffer is full; it
+        goes with this request, and the other one is taken once the thread has written it."""
+        if self._pending:
+            staging = self._filling if hand_back_staging else None
+            self._jobs.put((self._pending, self._pending_at, staging, self._pending_done))
+            self._pending, self._pending_done = [], []
+        elif hand_back_staging:
+            self._free.put(self._filling)  # (nothing of it is waiting to be written)
+        if hand_back_staging:
+            self._filling, self._filled, self._segment = self._free.get(), 0, 0
         self._raise_failure()
 
     def flush(self) -> None:
         """Everything written so far is in the file (durable after an fsync)."""
         aligned = self._filled - self._filled % DIRECT_IO_ALIGN
-        if aligned:
-            self._jobs.put(([self._filling[:aligned]], self._base, None, None))
+        self._add_segment(max(aligned, self._segment))
+        self._submit(hand_back_staging=False)
         self._jobs.join()
         self._borrowed.clear()  # all written: the caller may change those buffers again
         self._borrowed_bytes = 0
         self._raise_failure()
-        tail = self._filling[aligned : self._filled]
+        tail = self._filling[self._segment : self._filled]
         if tail.nbytes:
-            _pwrite_all(self._buffered_fd(), tail, self._base + aligned)
-        if aligned:
-            self._filling[: tail.nbytes] = tail
-            self._base += aligned
-            self._filled = tail.nbytes
+            _pwrite_all(self._buffered_fd(), tail, self._segment_at)
+        # nothing is in flight: the tail moves to the front, to be rewritten whole with what
+        # follows it (its file offset stays aligned)
+        self._filling[: tail.nbytes] = tail
+        self._filled, self._segment = tail.nbytes, 0
         tail.release()
 
     def _buffered_fd(self) -> int:
@@ -171,7 +215,7 @@ class DirectFile:
             try:
                 if job is None:
                     return
-                buffers, offset, staging, done = job
+                buffers, offset, staging, dones = job
                 if self._error is None:
                     try:
                         self._write_direct(buffers, offset)
@@ -181,7 +225,7 @@ class DirectFile:
                     buffer.release()
                 if staging is not None:
                     self._free.put(staging)
-                if done is not None:
+                for done in dones:
                     done.set()
             finally:
                 self._jobs.task_done()

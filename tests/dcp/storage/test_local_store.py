@@ -112,6 +112,32 @@ def test_borrowed_writes_go_out_in_place_where_lined_up_and_land_byte_exact(tmp_
     assert (tmp_path / "f").read_bytes() == expected
 
 
+def test_many_lined_up_tensors_between_headers_land_byte_exact(tmp_path):
+    """A data file's shape: small staged pieces between large borrowed ones, gathered into
+    requests of several tensors each, the staging buffer filling up among them."""
+    import random
+
+    rng = random.Random(0)
+    f = _direct_file_or_skip(tmp_path / "f")
+    expected, lent = bytearray(), []
+    try:
+        for k in range(40):
+            header = os.urandom(rng.choice([30, 700, 5000, STAGING_BYTES // 3]))
+            f.write(header)
+            expected += header
+            borrowed = _buffer_at(len(expected), rng.choice([BORROW_MIN_BYTES, 3 * BORROW_MIN_BYTES + 77]), True)
+            lent.append(borrowed)
+            f.write_borrowed(borrowed)
+            expected += borrowed
+            if k == 25:
+                f.flush()
+        f.flush()
+        assert f.in_place_bytes > len(expected) // 2
+    finally:
+        f.close()
+    assert (tmp_path / "f").read_bytes() == expected
+
+
 def test_borrowed_memory_in_flight_is_bounded(tmp_path):
     """A caller's buffers are released as the device catches up, not all kept to the end."""
     f = _direct_file_or_skip(tmp_path / "f")
