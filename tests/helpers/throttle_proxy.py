@@ -10,10 +10,7 @@ and holds at most ``burst`` tokens, and a request that finds no token is answere
 server's own error body instead of being forwarded. Refusals and forwarded requests are counted
 per prefix (``refused``, ``forwarded``), for the test to read.
 
-Forwarded requests go on byte for byte (the Host header and every signed header untouched, so
-SigV4 stays valid) and answers come back with ``Connection: close``. The proxy runs on its own
-event loop in a daemon thread of the test process: ``stop()`` ends it; there is no process to
-kill.
+Forwarded requests go on as ``http_proxy.py`` forwards them; ``stop()`` ends the proxy.
 """
 from __future__ import annotations
 
@@ -26,7 +23,7 @@ from collections import Counter
 from collections.abc import Callable
 from urllib.parse import parse_qs, unquote, urlsplit
 
-from .fault_proxy import _headers, _read_body, _read_head, _with_connection_close
+from .http_proxy import LoopbackProxy, error_response, headers_of, read_body, read_head, with_connection_close
 
 S3_SLOWDOWN = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code>'
                b"<Message>Please reduce your request rate.</Message>"
@@ -67,7 +64,7 @@ class TokenBucket:
         return False
 
 
-class ThrottleProxy:
+class ThrottleProxy(LoopbackProxy):
     """Throttle ``kind`` ("s3" or "gcs") requests to the server on ``upstream_port``.
 
     ``rate``: requests a second allowed per prefix (0: none past the burst); ``read_rate``: the
@@ -76,11 +73,13 @@ class ThrottleProxy:
     (``bucket/key``) is charged to (default: up to its last ``/``).
     """
 
+    name = "throttle-proxy"
+
     def __init__(self, upstream_port: int, kind: str, rate: float, *, read_rate: float | None = None,
                  burst: float | None = None, prefix_of: Callable[[str], str] = parent_prefix) -> None:
         if kind not in ("s3", "gcs"):
             raise ValueError(f"kind must be 's3' or 'gcs', not {kind!r}")
-        self.upstream_port, self.kind = upstream_port, kind
+        self.kind = kind
         self.rate = rate
         self.read_rate = rate if read_rate is None else read_rate
         self.burst = max(1.0, rate) if burst is None else burst
@@ -91,46 +90,7 @@ class ThrottleProxy:
         self._buckets: dict[tuple[str, bool], TokenBucket] = {}
         self._uploads: dict[str, str] = {}  # GCS resumable upload id -> its object's key
         self._lock = threading.Lock()
-        self._loop = asyncio.new_event_loop()
-        self._ready = threading.Event()
-        self._thread = threading.Thread(target=self._serve, daemon=True, name="throttle-proxy")
-        self._thread.start()
-        if not self._ready.wait(10):
-            raise RuntimeError("the throttling proxy did not start")
-
-    # -- life ------------------------------------------------------------------------------
-
-    def _serve(self) -> None:
-        asyncio.set_event_loop(self._loop)
-        self._server = self._loop.run_until_complete(asyncio.start_server(self._handle, "127.0.0.1", 0))
-        self.port = self._server.sockets[0].getsockname()[1]
-        self._ready.set()
-        self._loop.run_forever()
-
-    @property
-    def endpoint(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def stop(self) -> None:
-        async def close() -> None:
-            self._server.close()
-            # connections still open (a client's idle keep-alive): ended here, not left pending
-            tasks = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            await self._server.wait_closed()
-
-        if self._thread.is_alive():
-            asyncio.run_coroutine_threadsafe(close(), self._loop).result(10)
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(10)
-
-    def __enter__(self) -> ThrottleProxy:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
+        super().__init__(upstream_port)
 
     # -- what the test reads and sets ------------------------------------------------------
 
@@ -191,7 +151,7 @@ class ThrottleProxy:
 
     def _remember_upload(self, key: str | None, response_head: bytes) -> None:
         """A GCS resumable upload's later requests name only its id: keep which key it is."""
-        location = _headers(response_head).get("location")
+        location = headers_of(response_head).get("location")
         if key and location:
             upload_id = parse_qs(urlsplit(location).query).get("upload_id")
             if upload_id:
@@ -200,30 +160,19 @@ class ThrottleProxy:
 
     # -- one connection, one request -------------------------------------------------------
 
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            await self._one_request(reader, writer)
-        except (asyncio.IncompleteReadError, ConnectionError, asyncio.LimitOverrunError, ValueError):
-            pass
-        finally:
-            writer.close()
-
     def _refusal(self) -> bytes:
         if self.kind == "s3":
-            status, kind, body = b"503 Slow Down", b"application/xml", S3_SLOWDOWN
-        else:
-            status, kind, body = b"429 Too Many Requests", b"application/json; charset=UTF-8", GCS_RATE_LIMITED
-        return (b"HTTP/1.1 " + status + b"\r\nContent-Type: " + kind + b"\r\nContent-Length: "
-                + str(len(body)).encode() + b"\r\nConnection: close\r\n\r\n" + body)
+            return error_response(b"503 Slow Down", b"application/xml", S3_SLOWDOWN)
+        return error_response(b"429 Too Many Requests", b"application/json; charset=UTF-8", GCS_RATE_LIMITED)
 
     async def _one_request(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        head = await _read_head(reader)
-        headers = _headers(head)
+        head = await read_head(reader)
+        headers = headers_of(head)
         method, target = head.split(b" ", 2)[:2]
         expects_continue = "100-continue" in headers.get("expect", "").lower()
         body = b""
         if not expects_continue:  # the server sees the whole request before it answers
-            body = await _read_body(reader, headers, until_close=False)
+            body = await read_body(reader, headers, until_close=False)
         key = self._key(target.decode("latin-1"), body)
         if key is None:
             self.unknown_targets.append(f"{method.decode()} {target.decode('latin-1')}")
@@ -235,22 +184,9 @@ class ThrottleProxy:
         if expects_continue:
             writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
             await writer.drain()
-            body = await _read_body(reader, headers, until_close=False)
-        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.upstream_port)
-        try:
-            up_writer.write(head + body)
-            await up_writer.drain()
-            while True:
-                response_head = await _read_head(up_reader)
-                if not response_head.startswith((b"HTTP/1.1 1", b"HTTP/1.0 1")):
-                    break  # interim 1xx answers are the proxy's to give, not the server's
-            status = int(response_head.split(b" ", 2)[1])
-            no_body = method.upper() == b"HEAD" or status in (204, 304)
-            response_body = b"" if no_body else await _read_body(
-                up_reader, _headers(response_head), until_close=True)
-        finally:
-            up_writer.close()
+            body = await read_body(reader, headers, until_close=False)
+        response_head, status, response_body = await self.forward(head, body)
         if self.kind == "gcs" and status < 300:
             self._remember_upload(key, response_head)
-        writer.write(_with_connection_close(response_head) + response_body)
+        writer.write(with_connection_close(response_head) + response_body)
         await writer.drain()
