@@ -163,13 +163,20 @@ def read_plain(path: str, source: Source, block: int = BLOCK, sequential: bool =
     try:
         if sequential:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-        total = 0
-        view = source.read_view[:block]
-        while n := os.readv(fd, [view]):
-            total += n
-        return total
+        return _read_to_end(fd, source.read_view[:block])
     finally:
         os.close(fd)
+
+
+def _read_to_end(fd: int, view: memoryview, direct: bool = False) -> int:
+    """Read ``fd`` from its position to its end, every call into the same ``view``; bytes read.
+    ``direct``: a short read is the end (``O_DIRECT`` reads the last, partial page short)."""
+    total = 0
+    while n := os.readv(fd, [view]):
+        total += n
+        if direct and n < view.nbytes:
+            break
+    return total
 
 
 def read_direct(path: str, source: Source, block: int = BIG_BLOCK) -> int:
@@ -178,13 +185,7 @@ def read_direct(path: str, source: Source, block: int = BIG_BLOCK) -> int:
     except OSError:
         return read_plain(path, source, block)
     try:
-        total = 0
-        view = source.read_view[:block]
-        while n := os.readv(fd, [view]):
-            total += n
-            if n < block:
-                break
-        return total
+        return _read_to_end(fd, source.read_view[:block], direct=True)
     finally:
         os.close(fd)
 

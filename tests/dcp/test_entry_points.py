@@ -360,3 +360,32 @@ def test_default_planner_refuses_the_dedicated_parameters_themselves(tmp_path):
     with pytest.raises(RankFailed, match="is a dmuon dedicated parameter itself"):
         run_ranks(named_parameters_worker, 2, str(path))
     assert not (path / ".metadata").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# torch's dcp.save over a process group that is not the whole job
+# ---------------------------------------------------------------------------------------------
+def subgroup_save_worker(rank, world, root):
+    import os
+
+    import torch.distributed as dist
+
+    model, opt = build()
+    train(model, opt, rank, world, range(1))
+    groups = [dist.new_group([r], backend="gloo") for r in range(world)]  # (every rank makes every group)
+    path = f"{root}/rank{rank}"
+    try:
+        dcp.save({"app": ddcp.AppState(model, opt)}, checkpoint_id=path, planner=ddcp.DMuonSavePlanner(),
+                 process_group=groups[rank])
+    except BaseException as error:  # (torch raises CheckpointException, a BaseException)
+        raised = f"{type(error).__name__}: {error}"
+    else:
+        raised = None
+    committed = os.path.exists(f"{path}/.metadata")
+    return {"raised": raised, "committed": committed}
+
+
+def test_a_save_over_a_group_smaller_than_the_job_is_refused_before_anything_is_committed(tmp_path):
+    for result in run_ranks(subgroup_save_worker, 2, str(tmp_path)):
+        assert result["raised"] is not None and not result["committed"], result
+        assert "planned by none" in result["raised"], result["raised"]
