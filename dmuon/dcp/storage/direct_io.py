@@ -118,7 +118,9 @@ class DirectFile:
         view = memoryview(data).cast("B")
         to_boundary = -self._position() % DIRECT_IO_ALIGN
         in_place = (view.nbytes - to_boundary) // DIRECT_IO_ALIGN * DIRECT_IO_ALIGN
-        if in_place < self.borrow_min_bytes or (_address(view) + to_boundary) % DIRECT_IO_ALIGN:
+        # (by the buffer's size, as the writer decides what to pad: a 1 MiB FSDP shard is
+        # padded, and must then go out in place although its aligned middle is under 1 MiB)
+        if view.nbytes < self.borrow_min_bytes or in_place <= 0 or (_address(view) + to_boundary) % DIRECT_IO_ALIGN:
             return self.write(view)
         self.write(view[:to_boundary])  # the file position is now aligned, and so is the rest
         while self._borrowed and self._borrowed_bytes + in_place > MAX_BORROWED_BYTES:

@@ -82,6 +82,7 @@ BORROWED = [
     (STAGING_BYTES - 100, 2 * STAGING_BYTES, True),
     (5, 2 * BORROW_MIN_BYTES, False),
     (5, BORROW_MIN_BYTES // 2, True),
+    (100, BORROW_MIN_BYTES, True),  # padded by the writer: in place, though its aligned middle is smaller
 ]
 
 
