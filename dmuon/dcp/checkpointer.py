@@ -274,7 +274,6 @@ class AsyncCheckpointer(Checkpointer):
         super().__init__(storage_options=storage_options, key_prefixes=key_prefixes)
         self._group: dist.ProcessGroup | None = None
         self._stager: DefaultStager | None = None
-        self._writes: concurrent.futures.ThreadPoolExecutor | None = None  # one thread, kept
 
     # -- the exit guard's protocol (exit_guard.InFlight) ----------------------------------------
     def pending_description(self) -> str | None:
@@ -312,13 +311,11 @@ class AsyncCheckpointer(Checkpointer):
         group = self._process_group()
         if self._stager is None:
             self._stager = DefaultStager(_staging_options())
-        if self._writes is None:
-            self._writes = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="dmuon-async-save")
-        # Everything is in place before the copy to host memory starts (it runs in the
-        # background: lazy snapshot, dmuon/snapshot.py): once it runs, its thread holds the GIL
-        # for long stretches, and each hand-back to this thread can cost the interpreter's
-        # switch interval (5 ms). Measured, 2 ranks, 64 MiB: the call took 3-17 ms, median 14,
-        # with the write thread started and the snapshot tracked after the copy began.
+        # Everything is in place, the write thread started, before the copy to host memory
+        # starts (it runs in the background: lazy snapshot, dmuon/snapshot.py): once it runs,
+        # its thread holds the GIL for long stretches, and each hand-back to this thread can
+        # cost the interpreter's switch interval (5 ms). Measured, 2 ranks, 64 MiB: the call
+        # took 3-17 ms, median 14, with the write thread started after the copy began.
         started: concurrent.futures.Future = concurrent.futures.Future()  # what the stager returns
         copied: concurrent.futures.Future = concurrent.futures.Future()  # the snapshot window
         track_snapshot(model, copied)  # what changes the state in place (Muon.step) waits for it
@@ -328,7 +325,10 @@ class AsyncCheckpointer(Checkpointer):
             copy = staged.result() if isinstance(staged, concurrent.futures.Future) else staged
             run_save(copy, writer, planner, group)
 
-        handle = SaveHandle(checkpoint_id, self._writes.submit(write), copied=copied)
+        executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="dmuon-async-save")
+        written = executor.submit(write)
+        written.add_done_callback(lambda _: executor.shutdown(wait=False))
+        handle = SaveHandle(checkpoint_id, written, copied=copied)
         exit_guard.guard_signals()
         try:
             staged = self._stager.stage(state)
@@ -349,9 +349,6 @@ class AsyncCheckpointer(Checkpointer):
             if self._stager is not None:
                 self._stager.close()
                 self._stager = None
-            if self._writes is not None:
-                self._writes.shutdown(wait=True)
-                self._writes = None
 
 
 def _finish_with(staged, copied: concurrent.futures.Future) -> None:
