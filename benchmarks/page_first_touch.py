@@ -28,7 +28,6 @@ from harness import cpu_seconds
 from raw_io import Source, write_plain  # the raw baseline's plain write + fsync
 
 PAGE = mmap.PAGESIZE
-WRITE = 8 << 20  # bytes per write call
 
 
 def buffered_write_cpu(path: str, nbytes: int, source: Source) -> float:

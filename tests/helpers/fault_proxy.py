@@ -12,7 +12,7 @@ import asyncio
 import random
 from collections import Counter
 
-from .http_proxy import LoopbackProxy, error_response, headers_of, read_body, with_connection_close
+from .http_proxy import LoopbackProxy, error_response, headers_of, read_body, read_head, with_connection_close
 
 FAULTS = ("slowdown_503", "error_500", "reset", "truncated_body", "delay")
 
@@ -44,7 +44,7 @@ class FaultProxy(LoopbackProxy):
         return None
 
     async def _one_request(self, reader, writer) -> None:
-        head = await reader.readuntil(b"\r\n\r\n")
+        head = await read_head(reader)
         headers = headers_of(head)
         if self.down_from_first_write and head.split(b" ", 1)[0] in (b"PUT", b"POST"):
             self.down = True

@@ -137,11 +137,8 @@ class DirectFile:
         # requests are gathered up to BATCH_BYTES: this project's virtual disk took 16 MiB
         # requests at 1.5x the rate of 4 MiB ones when two ranks wrote at once.
         self._add_segment()
-        if not self._pending:
-            self._pending_at = self._segment_at
-        self._pending.append(view[to_boundary : to_boundary + in_place])
+        self._pend(view[to_boundary : to_boundary + in_place])
         self._pending_done.append(done)
-        self._segment_at += in_place
         if sum(piece.nbytes for piece in self._pending) >= BATCH_BYTES:
             self._submit(hand_back_staging=False)
         self.write(view[to_boundary + in_place :])
@@ -152,11 +149,16 @@ class DirectFile:
         aligned length) join the pending request."""
         stop = self._filled if stop is None else stop
         if stop > self._segment:
-            if not self._pending:
-                self._pending_at = self._segment_at
-            self._pending.append(self._filling[self._segment : stop])
-            self._segment_at += stop - self._segment
+            self._pend(self._filling[self._segment : stop])
             self._segment = stop
+
+    def _pend(self, piece: memoryview) -> None:
+        """``piece`` is the next bytes of the file: it joins the pending request (which then
+        starts at the current position if it was empty); the position moves past it."""
+        if not self._pending:
+            self._pending_at = self._segment_at
+        self._pending.append(piece)
+        self._segment_at += piece.nbytes
 
     def _submit(self, hand_back_staging: bool) -> None:
         """Queue the pending request. ``hand_back_staging``: the staging buffer is full; it

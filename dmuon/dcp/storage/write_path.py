@@ -154,9 +154,14 @@ def observe_buffered_write(root: str, nbytes: int, seconds: float) -> WritePathC
     device = os.stat(root).st_dev
     with _lock:
         known = _choices.get(device)
-        if known is None or known.direct or None in (known.direct_s, known.direct_read_s, known.buffered_read_s):
-            return None  # (not probed: direct I/O is no option here, or the caller chose)
-        assert known.direct_s is not None and known.direct_read_s is not None and known.buffered_read_s is not None
+        if (
+            known is None
+            or known.direct
+            or known.direct_s is None  # (not probed: direct I/O is no option here)
+            or known.direct_read_s is None
+            or known.buffered_read_s is None
+        ):
+            return None
         buffered_cycle = seconds / nbytes + known.buffered_read_s / PROBE_BYTES
         direct_cycle = (known.direct_s + known.direct_read_s) / PROBE_BYTES
         if direct_cycle > DIRECT_MARGIN * buffered_cycle:
