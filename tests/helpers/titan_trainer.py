@@ -23,15 +23,27 @@ from torchtitan.components.checkpoint import CheckpointManager  # noqa: E402
 from torchtitan.components.dataloader import BaseDataLoader  # noqa: E402
 from torchtitan.components.loss import CrossEntropyLoss  # noqa: E402
 from torchtitan.components.metrics import MetricsProcessor  # noqa: E402
-from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw  # noqa: E402
+from torchtitan.components.optimizer import (  # noqa: E402
+    LRSchedulersContainer,
+    default_adamw,
+    register_moe_load_balancing_hook,
+)
 from torchtitan.components.tokenizer import BaseTokenizer  # noqa: E402
 from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig  # noqa: E402
 from torchtitan.config.configs import CommConfig, DebugConfig  # noqa: E402
 from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm  # noqa: E402
 from torchtitan.models.common.attention import ScaledDotProductAttention  # noqa: E402
-from torchtitan.models.common.config_utils import make_ffn_config, make_gqa_config  # noqa: E402
+from torchtitan.models.common.config_utils import (  # noqa: E402
+    make_ffn_config,
+    make_gqa_config,
+    make_moe_config,
+    make_routed_experts_config,
+    make_router_config,
+)
 from torchtitan.models.llama3 import Llama3Model, parallelize_llama  # noqa: E402
 from torchtitan.models.llama3.model import Llama3TransformerBlock  # noqa: E402
+from torchtitan.models.qwen3 import Qwen3Model, parallelize_qwen3  # noqa: E402
+from torchtitan.models.qwen3.model import Qwen3TransformerBlock  # noqa: E402
 from torchtitan.protocols.model_spec import ModelSpec  # noqa: E402
 from torchtitan.trainer import Trainer  # noqa: E402
 
@@ -128,21 +140,69 @@ def tiny_llama3() -> Llama3Model.Config:
     )
 
 
-def tiny_model_spec() -> ModelSpec:
-    return ModelSpec(name="llama3", flavor="tiny", model=tiny_llama3(),
-                     parallelize_fn=titan_cpu.gloo_parallelize(parallelize_llama),
-                     pipelining_fn=None, post_optimizer_build_fn=None, state_dict_adapter=None)
+def tiny_qwen3_moe(num_experts: int = 8, top_k: int = 2) -> Qwen3Model.Config:
+    """Qwen3 MoE with dim 64, 2 layers, 4 heads, ``num_experts`` routed experts of hidden size 32.
+
+    The experts of each block are one ``GroupedExperts`` with 3-D stacks ``w1_EFD [E, 32, 64]``,
+    ``w2_EDF [E, 64, 32]``, ``w3_EFD [E, 32, 64]``; tokens reach them through the all-to-all
+    dispatcher (``comm_backend="standard"``), which with EP 1 reorders locally.
+    """
+    linear = {"weight": _normal(0.02), "bias": torch.nn.init.zeros_}
+    norm = {"weight": torch.nn.init.ones_}
+    experts = {name: _normal(0.02) for name in ("w1_EFD", "w2_EDF", "w3_EFD")}
+    rope = ComplexRoPE.Config(dim=DIM // HEADS, max_seq_len=SEQ, theta=10000.0)
+    layers = [
+        Qwen3TransformerBlock.Config(
+            attention_norm=RMSNorm.Config(normalized_shape=DIM, param_init=norm),
+            ffn_norm=RMSNorm.Config(normalized_shape=DIM, param_init=norm),
+            # head_dim explicit: Qwen3's FLOP count reads it
+            attention=make_gqa_config(dim=DIM, n_heads=HEADS, head_dim=DIM // HEADS, wqkv_param_init=linear,
+                                      wo_param_init=linear, inner_attention=ScaledDotProductAttention.Config(),
+                                      rope=rope),
+            moe=make_moe_config(
+                num_experts=num_experts,
+                router=make_router_config(dim=DIM, num_experts=num_experts, gate_param_init=linear, top_k=top_k,
+                                          score_func="softmax", route_norm=True),
+                routed_experts=make_routed_experts_config(dim=DIM, hidden_dim=DIM // 2, num_experts=num_experts,
+                                                          top_k=top_k, param_init=experts,
+                                                          comm_backend="standard"),
+            ),
+        )
+        for _ in range(LAYERS)
+    ]
+    return Qwen3Model.Config(
+        dim=DIM, vocab_size=VOCAB,
+        tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=DIM,
+                                        param_init={"weight": torch.nn.init.normal_}),
+        norm=RMSNorm.Config(normalized_shape=DIM, param_init=norm),
+        lm_head=Linear.Config(in_features=DIM, out_features=VOCAB, param_init=linear),
+        layers=layers,
+    )
+
+
+def tiny_model_spec(model: str = "llama3", *, num_experts: int = 8) -> ModelSpec:
+    """``model``: "llama3" (dense) or "moe" (Qwen3 MoE with ``num_experts`` experts per block)."""
+    if model == "llama3":
+        return ModelSpec(name="llama3", flavor="tiny", model=tiny_llama3(),
+                         parallelize_fn=titan_cpu.gloo_parallelize(parallelize_llama),
+                         pipelining_fn=None, post_optimizer_build_fn=None, state_dict_adapter=None)
+    return ModelSpec(name="qwen3", flavor="tiny-moe", model=tiny_qwen3_moe(num_experts),
+                     parallelize_fn=titan_cpu.gloo_parallelize(parallelize_qwen3),
+                     pipelining_fn=None, post_optimizer_build_fn=register_moe_load_balancing_hook,
+                     state_dict_adapter=None)
 
 
 def tiny_config(folder: str, *, steps: int = 6, interval: int = 3, async_mode: str = "disabled",
-                compile: bool = False, backend: str = "aot_eager", muon: bool = True) -> Trainer.Config:
+                compile: bool = False, backend: str = "aot_eager", muon: bool = True, model: str = "llama3",
+                num_experts: int = 8, **parallelism: Any) -> Trainer.Config:
     """A full Trainer.Config: FSDP over all ranks, fp32, checkpoints every ``interval`` steps.
 
     ``muon``: through ``dmuon.integrations.torchtitan.with_dmuon``, as a user's config does;
-    otherwise torchtitan's AdamW.
+    otherwise torchtitan's AdamW. ``model``, ``num_experts``: see :func:`tiny_model_spec`.
+    ``parallelism``: fields of torchtitan's ``ParallelismConfig`` (``expert_parallel_degree=2``...).
     """
     config = Trainer.Config(
-        model_spec=tiny_model_spec(),
+        model_spec=tiny_model_spec(model, num_experts=num_experts),
         hf_assets_path="",
         dump_folder=folder,
         tokenizer=NoTokenizer.Config(),
@@ -152,7 +212,7 @@ def tiny_config(folder: str, *, steps: int = 6, interval: int = 3, async_mode: s
         lr_scheduler=LRSchedulersContainer.Config(warmup_steps=2, decay_ratio=0.5, min_lr_factor=0.1),
         training=TrainingConfig(local_batch_size=2, seq_len=SEQ, steps=steps, mixed_precision_param="float32",
                                 disable_cuda_graphs=True),
-        parallelism=ParallelismConfig(spmd_backend="partial_dtensor"),
+        parallelism=ParallelismConfig(spmd_backend="partial_dtensor", **parallelism),
         checkpoint=CheckpointManager.Config(enable=True, folder="checkpoint", interval=interval,
                                             async_mode=async_mode, last_save_model_only=False),
         activation_checkpoint=None,  # type: ignore[arg-type]
