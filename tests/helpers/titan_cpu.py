@@ -25,6 +25,14 @@ torchtitan assumes an accelerator in two places that have nothing to do with dmu
 * Not CPU-specific: after the first step the Trainer calls ``torch.distributed.set_timeout``,
   which torch 2.13 does not have (torchtitan 0.3.0 was built against a newer torch); it has
   ``distributed_c10d._set_pg_timeout``, which :func:`add_set_timeout` names so.
+* Not CPU-specific either: with pipeline stages the Trainer splits each batch into microbatches
+  itself and calls ``schedule.step(arg_mbs=..., kwarg_mbs=..., target_mbs=..., losses=...,
+  loss_kwargs=...)``. torch 2.13's ``step`` takes the whole batch and splits it (those keywords
+  would reach the model as inputs); what runs the given microbatches is its
+  ``_step_microbatches``, with the same parameter names. :func:`presplit_pipelining` wraps a
+  ``pipelining_fn`` so that its schedule's ``step`` accepts the split form: the per-step
+  preparation torch's ``step`` does (each stage's ``has_backward``, cleared runtime state), then
+  ``_step_microbatches``. Where ``step`` already takes ``arg_mbs`` nothing is wrapped.
 
 Call :func:`prepare` before the first torchtitan import that reaches ``models.common``.
 """
@@ -32,6 +40,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import inspect
 import sys
 import types
 from collections.abc import Callable
@@ -163,6 +172,33 @@ def gloo_parallelize(parallelize_fn: Callable[..., nn.Module]) -> Callable[..., 
         return model
 
     return parallelize
+
+
+def presplit_pipelining(pipelining_fn: Callable[..., tuple]) -> Callable[..., tuple]:
+    """``pipelining_fn``, with a schedule that takes microbatches split already (see the module docstring)."""
+
+    @functools.wraps(pipelining_fn)
+    def pipelining(model: nn.Module, **kwargs: Any) -> tuple:
+        schedule, *rest = pipelining_fn(model, **kwargs)
+        if "arg_mbs" not in inspect.signature(schedule.step).parameters:
+            schedule.step = functools.partial(_step_presplit, schedule)
+        return (schedule, *rest)
+
+    return pipelining
+
+
+def _step_presplit(schedule, *, arg_mbs=None, kwarg_mbs=None, target_mbs=None, losses=None, return_outputs=True,
+                   loss_kwargs=None):
+    stages = getattr(schedule, "_stages", None) or [schedule._stage]
+    for stage in stages:
+        stage.has_backward = schedule._has_backward
+        stage.clear_runtime_states()
+    schedule._step_microbatches(arg_mbs, kwarg_mbs, target_mbs, losses, return_outputs, loss_kwargs=loss_kwargs)
+    if return_outputs:
+        for stage in stages:
+            if stage.is_last:
+                return schedule._merge_outputs(stage.output_chunks)
+    return None
 
 
 def add_set_timeout() -> None:

@@ -31,6 +31,7 @@ from torchtitan.components.optimizer import (  # noqa: E402
 from torchtitan.components.tokenizer import BaseTokenizer  # noqa: E402
 from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig  # noqa: E402
 from torchtitan.config.configs import CommConfig, DebugConfig  # noqa: E402
+from torchtitan.distributed.pipeline_parallel import pipeline_llm  # noqa: E402
 from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm  # noqa: E402
 from torchtitan.models.common.attention import ScaledDotProductAttention  # noqa: E402
 from torchtitan.models.common.config_utils import (  # noqa: E402
@@ -114,8 +115,8 @@ def _normal(std: float):
     return init
 
 
-def tiny_llama3() -> Llama3Model.Config:
-    """Llama 3 with dim 64, 2 layers, 4 heads, vocabulary 128; torchtitan's own blocks."""
+def tiny_llama3(layers: int = LAYERS) -> Llama3Model.Config:
+    """Llama 3 with dim 64, ``layers`` blocks (2), 4 heads, vocabulary 128; torchtitan's own blocks."""
     linear = {"weight": _normal(0.02), "bias": torch.nn.init.zeros_}
     norm = {"weight": torch.nn.init.ones_}
     rope = ComplexRoPE.Config(dim=DIM // HEADS, max_seq_len=SEQ, theta=10000.0)
@@ -128,7 +129,7 @@ def tiny_llama3() -> Llama3Model.Config:
             feed_forward=make_ffn_config(dim=DIM, hidden_dim=4 * DIM, w1_param_init=linear,
                                          w2w3_param_init=linear),
         )
-        for _ in range(LAYERS)
+        for _ in range(layers)
     ]
     return Llama3Model.Config(
         dim=DIM, vocab_size=VOCAB,
@@ -140,8 +141,8 @@ def tiny_llama3() -> Llama3Model.Config:
     )
 
 
-def tiny_qwen3_moe(num_experts: int = 8, top_k: int = 2) -> Qwen3Model.Config:
-    """Qwen3 MoE with dim 64, 2 layers, 4 heads, ``num_experts`` routed experts of hidden size 32.
+def tiny_qwen3_moe(num_experts: int = 8, top_k: int = 2, layers: int = LAYERS) -> Qwen3Model.Config:
+    """Qwen3 MoE with dim 64, ``layers`` blocks (2), 4 heads, ``num_experts`` routed experts of hidden size 32.
 
     The experts of each block are one ``GroupedExperts`` with 3-D stacks ``w1_EFD [E, 32, 64]``,
     ``w2_EDF [E, 64, 32]``, ``w3_EFD [E, 32, 64]``; tokens reach them through the all-to-all
@@ -168,7 +169,7 @@ def tiny_qwen3_moe(num_experts: int = 8, top_k: int = 2) -> Qwen3Model.Config:
                                                           comm_backend="standard"),
             ),
         )
-        for _ in range(LAYERS)
+        for _ in range(layers)
     ]
     return Qwen3Model.Config(
         dim=DIM, vocab_size=VOCAB,
@@ -180,29 +181,29 @@ def tiny_qwen3_moe(num_experts: int = 8, top_k: int = 2) -> Qwen3Model.Config:
     )
 
 
-def tiny_model_spec(model: str = "llama3", *, num_experts: int = 8) -> ModelSpec:
+def tiny_model_spec(model: str = "llama3", *, num_experts: int = 8, layers: int = LAYERS) -> ModelSpec:
     """``model``: "llama3" (dense) or "moe" (Qwen3 MoE with ``num_experts`` experts per block)."""
+    pipelining = titan_cpu.presplit_pipelining(pipeline_llm)
     if model == "llama3":
-        return ModelSpec(name="llama3", flavor="tiny", model=tiny_llama3(),
-                         parallelize_fn=titan_cpu.gloo_parallelize(parallelize_llama),
-                         pipelining_fn=None, post_optimizer_build_fn=None, state_dict_adapter=None)
-    return ModelSpec(name="qwen3", flavor="tiny-moe", model=tiny_qwen3_moe(num_experts),
-                     parallelize_fn=titan_cpu.gloo_parallelize(parallelize_qwen3),
-                     pipelining_fn=None, post_optimizer_build_fn=register_moe_load_balancing_hook,
-                     state_dict_adapter=None)
+        return ModelSpec(name="llama3", flavor="tiny", model=tiny_llama3(layers),
+                         parallelize_fn=titan_cpu.gloo_parallelize(parallelize_llama), pipelining_fn=pipelining,
+                         post_optimizer_build_fn=None, state_dict_adapter=None)
+    return ModelSpec(name="qwen3", flavor="tiny-moe", model=tiny_qwen3_moe(num_experts, layers=layers),
+                     parallelize_fn=titan_cpu.gloo_parallelize(parallelize_qwen3), pipelining_fn=pipelining,
+                     post_optimizer_build_fn=register_moe_load_balancing_hook, state_dict_adapter=None)
 
 
 def tiny_config(folder: str, *, steps: int = 6, interval: int = 3, async_mode: str = "disabled",
                 compile: bool = False, backend: str = "aot_eager", muon: bool = True, model: str = "llama3",
-                num_experts: int = 8, **parallelism: Any) -> Trainer.Config:
+                num_experts: int = 8, layers: int = LAYERS, **parallelism: Any) -> Trainer.Config:
     """A full Trainer.Config: FSDP over all ranks, fp32, checkpoints every ``interval`` steps.
 
     ``muon``: through ``dmuon.integrations.torchtitan.with_dmuon``, as a user's config does;
-    otherwise torchtitan's AdamW. ``model``, ``num_experts``: see :func:`tiny_model_spec`.
+    otherwise torchtitan's AdamW. ``model``, ``num_experts``, ``layers``: see :func:`tiny_model_spec`.
     ``parallelism``: fields of torchtitan's ``ParallelismConfig`` (``expert_parallel_degree=2``...).
     """
     config = Trainer.Config(
-        model_spec=tiny_model_spec(model, num_experts=num_experts),
+        model_spec=tiny_model_spec(model, num_experts=num_experts, layers=layers),
         hf_assets_path="",
         dump_folder=folder,
         tokenizer=NoTokenizer.Config(),
@@ -228,12 +229,14 @@ def tiny_config(folder: str, *, steps: int = 6, interval: int = 3, async_mode: s
     return config
 
 
-def run(config: Trainer.Config, *, stop_after: int | None = None) -> dict[str, Any]:
+def run(config: Trainer.Config, *, stop_after: int | None = None, initial: bool = False) -> dict[str, Any]:
     """Build the Trainer from ``config``, train (until step ``stop_after``), close it.
 
     ``stop_after`` ends the loop early as a preempted job would, with the schedule of the full
     run. Returns ``{"losses": {step: loss}, "weights": {fqn: full fp32 tensor}, "step": last,
-    "dedicated": [fqn, ...], "optimizer": container class name}``.
+    "dedicated": [fqn, ...], "optimizer": container class name, "parts": model parts here}``;
+    with ``initial``, also ``"initial"``: the weights as built, before training or loading.
+    A rank without the last pipeline stage logs a loss of -1 (torchtitan's placeholder).
     """
     from dmuon.dedicated import get_registry
 
@@ -248,20 +251,37 @@ def run(config: Trainer.Config, *, stop_after: int | None = None) -> dict[str, A
     trainer.metrics_processor.log = record
     if stop_after is not None:
         trainer.should_continue_training = lambda: trainer.step < stop_after
+    out: dict[str, Any] = {}
     try:
+        if initial:
+            out["initial"] = full_weights(trainer.model_parts)
         trainer.train()
-        weights = full_weights(trainer.model_parts[0])
+        out["weights"] = full_weights(trainer.model_parts)
     finally:
         trainer.close()
-    registry = get_registry(trainer.model_parts[0])
-    return {"losses": losses, "weights": weights, "step": trainer.step,
-            "dedicated": sorted(rec.fqn for rec in registry or ()),
-            "optimizer": type(trainer.optimizers).__name__}
+    dedicated = [rec.fqn for part in trainer.model_parts for rec in get_registry(part) or ()]
+    return {**out, "losses": losses, "step": trainer.step, "dedicated": sorted(dedicated),
+            "optimizer": type(trainer.optimizers).__name__, "parts": len(trainer.model_parts)}
 
 
-def full_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Every weight whole on every rank, through torch's full state dict (dmuon-aware)."""
+def full_weights(model_parts: list[torch.nn.Module]) -> dict[str, torch.Tensor]:
+    """Every weight of every part whole on every rank, through torch's full state dict (dmuon-aware).
+
+    Each part is gathered over its own data-parallel ranks; with pipeline stages the parts of
+    other ranks come from an all-gather over the world. A name two ranks hold must agree.
+    """
+    import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=False))
-    return {k: v.detach().clone() for k, v in state.items()}
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=False)
+    mine: dict[str, torch.Tensor] = {}
+    for part in model_parts:
+        mine.update({k: v.detach().clone() for k, v in get_model_state_dict(part, options=options).items()})
+    everyone: list[dict[str, torch.Tensor]] = [{} for _ in range(dist.get_world_size())]
+    dist.all_gather_object(everyone, mine)
+    merged: dict[str, torch.Tensor] = {}
+    for state in everyone:
+        for fqn, value in state.items():
+            assert fqn not in merged or torch.equal(merged[fqn], value), f"ranks disagree on {fqn}"
+            merged.setdefault(fqn, value)
+    return merged
