@@ -11,6 +11,7 @@ every step and the full weights at the end (gathered on every rank).
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +20,7 @@ from tests.helpers import titan_cpu
 titan_cpu.prepare()  # before the first torchtitan import that reaches models.common
 
 import torch  # noqa: E402
+from torch.distributed.tensor import DTensor, distribute_tensor  # noqa: E402
 from torchtitan.components.checkpoint import CheckpointManager  # noqa: E402
 from torchtitan.components.dataloader import BaseDataLoader  # noqa: E402
 from torchtitan.components.loss import CrossEntropyLoss  # noqa: E402
@@ -109,10 +111,30 @@ class NoTokenizer(BaseTokenizer):
         return VOCAB
 
 
+def _whole(init):
+    """``init`` drawn for the whole parameter, of which each rank keeps its own shard.
+
+    Why: DTensor has no random-number tracker on the CPU (torch's offset-based one is for
+    CUDA-like devices), so a random init of a sharded parameter draws the same values into every
+    shard. An FSDP-sharded matrix would repeat its first rows, and expert ``i`` of an expert stack
+    would equal expert ``i + E/shards``, which hides any mix-up of experts between ranks.
+    torchtitan seeds every rank of an SPMD group alike, so each draws the same whole tensor.
+    """
+
+    def apply(tensor: torch.Tensor) -> torch.Tensor:
+        if not isinstance(tensor, DTensor):
+            return init(tensor)
+        whole = init(torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.to_local().device))
+        mine = distribute_tensor(whole, tensor.device_mesh, tensor.placements, src_data_rank=None)
+        with torch.no_grad():
+            tensor.to_local().copy_(mine.to_local())
+        return tensor
+
+    return apply
+
+
 def _normal(std: float):
-    def init(tensor: torch.Tensor) -> torch.Tensor:
-        return torch.nn.init.trunc_normal_(tensor, std=std)
-    return init
+    return _whole(functools.partial(torch.nn.init.trunc_normal_, std=std))
 
 
 def tiny_llama3(layers: int = LAYERS) -> Llama3Model.Config:
@@ -134,7 +156,7 @@ def tiny_llama3(layers: int = LAYERS) -> Llama3Model.Config:
     return Llama3Model.Config(
         dim=DIM, vocab_size=VOCAB,
         tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=DIM,
-                                        param_init={"weight": torch.nn.init.normal_}),
+                                        param_init={"weight": _whole(torch.nn.init.normal_)}),
         norm=RMSNorm.Config(normalized_shape=DIM, param_init=norm),
         lm_head=Linear.Config(in_features=DIM, out_features=VOCAB, param_init=linear),
         layers=layers,
@@ -174,7 +196,7 @@ def tiny_qwen3_moe(num_experts: int = 8, top_k: int = 2, layers: int = LAYERS) -
     return Qwen3Model.Config(
         dim=DIM, vocab_size=VOCAB,
         tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=DIM,
-                                        param_init={"weight": torch.nn.init.normal_}),
+                                        param_init={"weight": _whole(torch.nn.init.normal_)}),
         norm=RMSNorm.Config(normalized_shape=DIM, param_init=norm),
         lm_head=Linear.Config(in_features=DIM, out_features=VOCAB, param_init=linear),
         layers=layers,
