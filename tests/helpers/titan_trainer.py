@@ -251,14 +251,17 @@ def tiny_config(folder: str, *, steps: int = 6, interval: int = 3, async_mode: s
     return config
 
 
-def run(config: Trainer.Config, *, stop_after: int | None = None, initial: bool = False) -> dict[str, Any]:
+def run(config: Trainer.Config, *, stop_after: int | None = None, initial: bool = False,
+        optimizer_state: bool = False) -> dict[str, Any]:
     """Build the Trainer from ``config``, train (until step ``stop_after``), close it.
 
     ``stop_after`` ends the loop early as a preempted job would, with the schedule of the full
     run. Returns ``{"losses": {step: loss}, "weights": {fqn: full fp32 tensor}, "step": last,
     "dedicated": [fqn, ...], "optimizer": container class name, "parts": model parts here}``;
-    with ``initial``, also ``"initial"``: the weights as built, before training or loading.
-    A rank without the last pipeline stage logs a loss of -1 (torchtitan's placeholder).
+    with ``initial``, also ``"initial"``: the weights as built, before training or loading;
+    with ``optimizer_state``, also ``"optimizer_state"``: the container's flat state dict whole.
+    A rank without the last pipeline stage logs a loss of -1 (torchtitan's placeholder) summed
+    over its data-parallel ranks.
     """
     from dmuon.dedicated import get_registry
 
@@ -279,6 +282,8 @@ def run(config: Trainer.Config, *, stop_after: int | None = None, initial: bool 
             out["initial"] = full_weights(trainer.model_parts)
         trainer.train()
         out["weights"] = full_weights(trainer.model_parts)
+        if optimizer_state:
+            out["optimizer_state"] = full_optimizer_state(trainer.optimizers)
     finally:
         trainer.close()
     dedicated = [rec.fqn for part in trainer.model_parts for rec in get_registry(part) or ()]
@@ -290,20 +295,45 @@ def full_weights(model_parts: list[torch.nn.Module]) -> dict[str, torch.Tensor]:
     """Every weight of every part whole on every rank, through torch's full state dict (dmuon-aware).
 
     Each part is gathered over its own data-parallel ranks; with pipeline stages the parts of
-    other ranks come from an all-gather over the world. A name two ranks hold must agree.
+    other ranks come from :func:`_merge_ranks`.
     """
-    import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=False)
     mine: dict[str, torch.Tensor] = {}
     for part in model_parts:
         mine.update({k: v.detach().clone() for k, v in get_model_state_dict(part, options=options).items()})
-    everyone: list[dict[str, torch.Tensor]] = [{} for _ in range(dist.get_world_size())]
+    return _merge_ranks(mine)
+
+
+def full_optimizer_state(optimizers) -> dict[str, Any]:
+    """The optimizer container's flat state dict (``state.{fqn}.{name}``...) whole on every rank.
+
+    A DTensor is gathered over its own mesh; every rank of a mesh holds the same keys, and
+    sorting them makes the gathers meet in the same order.
+    """
+    flat = optimizers.state_dict()
+    mine: dict[str, Any] = {}
+    for key in sorted(flat):
+        value = flat[key]
+        if isinstance(value, DTensor):
+            value = value.full_tensor()
+        mine[key] = value.detach().clone() if isinstance(value, torch.Tensor) else value
+    return _merge_ranks(mine)
+
+
+def _merge_ranks(mine: dict[str, Any]) -> dict[str, Any]:
+    """The union of every rank's ``mine`` (all-gathered): with pipeline stages each rank holds
+    some parts. A key two ranks hold must have equal values."""
+    import torch.distributed as dist
+
+    everyone: list[dict[str, Any]] = [{} for _ in range(dist.get_world_size())]
     dist.all_gather_object(everyone, mine)
-    merged: dict[str, torch.Tensor] = {}
+    merged: dict[str, Any] = {}
     for state in everyone:
-        for fqn, value in state.items():
-            assert fqn not in merged or torch.equal(merged[fqn], value), f"ranks disagree on {fqn}"
-            merged.setdefault(fqn, value)
+        for key, value in state.items():
+            if key in merged:
+                same = torch.equal(merged[key], value) if isinstance(value, torch.Tensor) else merged[key] == value
+                assert same, f"ranks disagree on {key}"
+            merged.setdefault(key, value)
     return merged
