@@ -58,10 +58,12 @@ SEQ = 32
 
 
 class SyntheticTokens(BaseDataLoader):
-    """Batch ``i`` of data-parallel rank ``r`` is ``randint`` from a generator seeded by (seed, r, i).
+    """Sample ``i`` of data-parallel rank ``r`` is ``randint`` from a generator seeded by (seed, r, i).
 
-    Its state is the number of batches served, under a key per rank (DCP keeps one copy of a
-    key that several ranks save), so a resumed run continues with the next batch.
+    Per sample, not per batch: with pipeline stages the Trainer draws a step's batch as several
+    microbatches, and rank ``r`` still sees the same token rows in the same order. The state is
+    the number of samples served, the same on every rank and so under one key, which a job of
+    another data-parallel degree can load too; a resumed run continues with the next sample.
     """
 
     @dataclass(kw_only=True, slots=True)
@@ -79,16 +81,20 @@ class SyntheticTokens(BaseDataLoader):
 
     def __iter__(self):
         while True:
-            gen = torch.Generator().manual_seed(self.config.seed * 1_000_003 + self.dp_rank * 10_007 + self.served)
-            tokens = torch.randint(0, self.config.vocab_size, (self.batch_size, self.seq_len + 1), generator=gen)
-            self.served += 1
+            rows = []
+            for _ in range(self.batch_size):
+                seed = self.config.seed * 1_000_003 + self.dp_rank * 10_007 + self.served
+                gen = torch.Generator().manual_seed(seed)
+                rows.append(torch.randint(0, self.config.vocab_size, (self.seq_len + 1,), generator=gen))
+                self.served += 1
+            tokens = torch.stack(rows)
             yield {"input": tokens[:, :-1]}, tokens[:, 1:]
 
     def state_dict(self) -> dict[str, Any]:
-        return {f"dp_rank_{self.dp_rank}": self.served}
+        return {"samples_served": self.served}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.served = state_dict.get(f"dp_rank_{self.dp_rank}", 0)
+        self.served = state_dict.get("samples_served", 0)
 
 
 class NoTokenizer(BaseTokenizer):
@@ -257,7 +263,8 @@ def run(config: Trainer.Config, *, stop_after: int | None = None, initial: bool 
 
     ``stop_after`` ends the loop early as a preempted job would, with the schedule of the full
     run. Returns ``{"losses": {step: loss}, "weights": {fqn: full fp32 tensor}, "step": last,
-    "dedicated": [fqn, ...], "optimizer": container class name, "parts": model parts here}``;
+    "dedicated": [fqn, ...], "optimizer": container class name, "parts": model parts here,
+    "layouts": {fqn: (mesh dim names, placements, local shape)} of this rank's parameters}``;
     with ``initial``, also ``"initial"``: the weights as built, before training or loading;
     with ``optimizer_state``, also ``"optimizer_state"``: the container's flat state dict whole.
     A rank without the last pipeline stage logs a loss of -1 (torchtitan's placeholder) summed
@@ -287,8 +294,10 @@ def run(config: Trainer.Config, *, stop_after: int | None = None, initial: bool 
     finally:
         trainer.close()
     dedicated = [rec.fqn for part in trainer.model_parts for rec in get_registry(part) or ()]
+    layouts = {fqn: (p.device_mesh.mesh_dim_names, tuple(p.placements), tuple(p.to_local().shape))
+               for part in trainer.model_parts for fqn, p in part.named_parameters() if isinstance(p, DTensor)}
     return {**out, "losses": losses, "step": trainer.step, "dedicated": sorted(dedicated),
-            "optimizer": type(trainer.optimizers).__name__, "parts": len(trainer.model_parts)}
+            "optimizer": type(trainer.optimizers).__name__, "parts": len(trainer.model_parts), "layouts": layouts}
 
 
 def full_weights(model_parts: list[torch.nn.Module]) -> dict[str, torch.Tensor]:
