@@ -1,0 +1,199 @@
+"""torchtitan 0.3.0's own Trainer with expert and pipeline parallelism, on 4 CPU ranks (gloo).
+
+torchtitan's AdamW throughout: these are the meshes dmuon is to run on (issue 42), checked first
+with the optimizer torchtitan ships, so that a failure here is torchtitan's or the helpers' and
+not dmuon's.
+
+* Expert parallelism: a tiny Qwen3 MoE (8 experts per block, stacks ``[8, 32, 64]``) with
+  ``expert_parallel_degree`` 2 on ``dp_shard`` 4, i.e. experts on an (efsdp 2, ep 2) mesh, 2 per
+  rank, dense weights on fsdp 4. Tokens reach the experts through torchtitan's all-to-all
+  dispatcher (gloo's ``all_to_all_single``); the grouped matmuls run in bf16 on the CPU.
+* Pipeline parallelism: the tiny Llama 3 with ``pipeline_parallel_degree`` 2 on 4 ranks (pp 2 x
+  fsdp 2): 1F1B (one stage per rank) and Interleaved1F1B (4 blocks, 4 stages, two model parts
+  per rank, each with its own FSDP).
+
+A run stopped after its step-3 checkpoint and resumed in fresh processes gives every loss and
+every final weight of an uninterrupted run bit for bit; a checkpoint loads, weights and optimizer
+state exact, into a job of another expert-, data- or pipeline-parallel degree.
+What the Trainer needs on CPU: tests/helpers/titan_cpu.py; the model and data:
+tests/helpers/titan_trainer.py.
+"""
+import shutil
+
+import pytest
+import torch
+
+from tests.helpers.launch import run_ranks
+
+STEPS, INTERVAL = 6, 3
+TIMEOUT = 240.0
+EXPERTS = "moe.routed_experts.inner_experts."
+
+EP2 = {"model": "moe", "expert_parallel_degree": 2}
+EP1 = {"model": "moe", "expert_parallel_degree": 1}
+EP4 = {"model": "moe", "expert_parallel_degree": 4}
+PP_1F1B = {"pipeline_parallel_degree": 2, "pipeline_parallel_schedule": "1F1B"}
+# 4 blocks and no stage lightened for the embedding or the head: stages of one block each
+PP_INTERLEAVED = {"pipeline_parallel_degree": 2, "pipeline_parallel_schedule": "Interleaved1F1B", "layers": 4,
+                  "pipeline_parallel_first_stage_less_layers": 0, "pipeline_parallel_last_stage_less_layers": 0}
+
+
+def trainer_job(rank, world, folder, *, stop_after=None, **knobs):
+    from tests.helpers import titan_trainer
+
+    config = titan_trainer.tiny_config(folder, steps=STEPS, interval=INTERVAL, muon=False, **knobs)
+    return titan_trainer.run(config, stop_after=stop_after, initial=True, optimizer_state=True)
+
+
+def train(folder, world=4, **kwargs):
+    return run_ranks(trainer_job, world, str(folder), timeout=TIMEOUT, **kwargs)
+
+
+def stop_and_resume(folder, **knobs):
+    """Steps 1-3 (the checkpoint at 3, then the job ends), then a fresh job from that checkpoint."""
+    first = train(folder, stop_after=INTERVAL, **knobs)
+    assert sorted(p.name for p in (folder / "checkpoint").iterdir()) == [f"step-{INTERVAL}"]
+    second = train(folder, **knobs)
+    return first, second
+
+
+def assert_bit_exact(first, second, whole):
+    for rank, reference in enumerate(whole):
+        assert first[rank]["step"] == INTERVAL and second[rank]["step"] == STEPS
+        assert first[rank]["losses"] == {s: reference["losses"][s] for s in range(1, INTERVAL + 1)}
+        # the resumed job starts at step 4: it loaded the checkpoint, it did not retrain
+        assert second[rank]["losses"] == {s: reference["losses"][s] for s in range(INTERVAL + 1, STEPS + 1)}
+        assert_same(second[rank]["weights"], reference["weights"])
+        assert_same(second[rank]["optimizer_state"], reference["optimizer_state"])
+
+
+def assert_same(state, reference):
+    assert state.keys() == reference.keys()
+    for key, value in reference.items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(state[key], value), key
+        else:
+            assert state[key] == value, key
+
+
+def assert_trained(result):
+    """Every weight moved from its initial value, and the loss is finite."""
+    for fqn, value in result["initial"].items():
+        if fqn.endswith("tokens_per_expert_E"):
+            continue
+        assert not torch.equal(result["weights"][fqn], value), fqn
+    assert all(torch.isfinite(torch.tensor(loss)) for loss in result["losses"].values())
+
+
+@pytest.fixture(scope="module")
+def moe_ep2(tmp_path_factory):
+    return train(tmp_path_factory.mktemp("titan-moe-ep2"), **EP2)
+
+
+def test_experts_are_sharded_over_expert_and_data_parallel_ranks(moe_ep2):
+    """Each rank holds 2 of the 8 experts of every stack, on the (efsdp, ep) mesh."""
+    for result in moe_ep2:
+        experts = {fqn: layout for fqn, layout in result["layouts"].items() if EXPERTS in fqn}
+        assert len(experts) == 6  # w1, w2, w3 of 2 blocks
+        for fqn, (mesh, _placements, local) in experts.items():
+            assert mesh == ("efsdp", "ep") and local[0] == 2, fqn
+        dense = [layout for fqn, layout in result["layouts"].items() if EXPERTS not in fqn]
+        assert {mesh for mesh, _, _ in dense} == {("fsdp",)}
+        # weights built from one whole draw: the 8 experts of a stack are 8 different matrices
+        stack = result["initial"]["layers.0.moe.routed_experts.inner_experts.w1_EFD"]
+        assert len({tuple(expert.flatten().tolist()) for expert in stack}) == 8
+        assert_trained(result)
+
+
+def test_expert_parallel_stop_and_resume_is_bit_exact(tmp_path, moe_ep2):
+    first, second = stop_and_resume(tmp_path, **EP2)
+    assert_bit_exact(first, second, moe_ep2)
+
+
+def test_expert_parallel_trains_the_model_plain_fsdp_trains(tmp_path, moe_ep2):
+    """EP 1 (experts on fsdp 4, no all-to-all) from the same initial weights and data.
+
+    Equal up to rounding: experts and the router (whose gradient comes through the experts'
+    outputs) to bf16's, the rest to float32's. Each expert's weight gradient is a bf16 grouped
+    matmul over the tokens routed to it, which EP 2 groups otherwise (all tokens of an expert in
+    one matmul, not per rank then summed by FSDP); AdamW's first steps pass such differences on
+    at full size. A mix-up of experts would differ by ~100%.
+    """
+    plain = train(tmp_path, **EP1)
+    assert_same(plain[0]["initial"], moe_ep2[0]["initial"])
+    for step, loss in moe_ep2[0]["losses"].items():
+        assert plain[0]["losses"][step] == pytest.approx(loss, rel=1e-5)
+    for fqn, value in moe_ep2[0]["weights"].items():
+        difference = float((plain[0]["weights"][fqn] - value).norm() / value.norm().clamp_min(1e-30))
+        assert difference < (1e-2 if EXPERTS in fqn or ".router." in fqn else 1e-4), (fqn, difference)
+
+
+@pytest.mark.slow
+def test_uneven_experts_stop_and_resume_is_bit_exact(tmp_path):
+    """6 experts on 4 ranks: 3 per expert-parallel rank, held as 2 + 1 by its two efsdp ranks."""
+    knobs = {**EP2, "num_experts": 6}
+    whole = train(tmp_path / "whole", **knobs)
+    held = sorted(result["layouts"]["layers.0.moe.routed_experts.inner_experts.w1_EFD"][2][0] for result in whole)
+    assert held == [1, 1, 2, 2]
+    first, second = stop_and_resume(tmp_path / "stopped", **knobs)
+    assert_bit_exact(first, second, whole)
+
+
+@pytest.fixture(scope="module")
+def ep2_checkpoint(tmp_path_factory):
+    """A job at EP 2 stopped after its step-3 checkpoint: (its folder, what it ended with)."""
+    folder = tmp_path_factory.mktemp("titan-ep2-step3")
+    return folder, train(folder, stop_after=INTERVAL, **EP2)
+
+
+def load_only(folder, world=4, **knobs):
+    """A fresh job that loads the step-3 checkpoint and trains no further."""
+    return train(folder, world=world, stop_after=INTERVAL, **knobs)
+
+
+@pytest.mark.parametrize("knobs, world", [(EP1, 4), (EP4, 4), (EP2, 2)], ids=["ep1-fsdp4", "ep4", "ep2-2ranks"])
+def test_expert_parallel_checkpoint_loads_at_other_degrees(tmp_path, ep2_checkpoint, knobs, world):
+    """Saved at EP 2 x efsdp 2; loaded at EP 1 x fsdp 4, EP 4 x efsdp 1, and EP 2 on 2 ranks."""
+    saved_folder, saved = ep2_checkpoint
+    shutil.copytree(saved_folder / "checkpoint", tmp_path / "checkpoint")
+    loaded = load_only(tmp_path, world=world, **knobs)
+    assert loaded[0]["step"] == INTERVAL and loaded[0]["losses"] == {}
+    assert_same(loaded[0]["weights"], saved[0]["weights"])
+    assert_same(loaded[0]["optimizer_state"], saved[0]["optimizer_state"])
+
+
+def test_checkpoint_without_expert_parallelism_loads_at_ep2(tmp_path):
+    saved = train(tmp_path, stop_after=INTERVAL, **EP1)
+    loaded = load_only(tmp_path, **EP2)
+    assert_same(loaded[0]["weights"], saved[0]["weights"])
+    assert_same(loaded[0]["optimizer_state"], saved[0]["optimizer_state"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("knobs, parts", [(PP_1F1B, 1), (PP_INTERLEAVED, 2)], ids=["1F1B", "Interleaved1F1B"])
+def test_pipeline_stop_and_resume_is_bit_exact(tmp_path, knobs, parts):
+    whole = train(tmp_path / "whole", **knobs)
+    for rank, result in enumerate(whole):
+        assert result["parts"] == parts
+        # pp is the outer mesh dimension: ranks 2 and 3 hold the last stage and log the loss,
+        # ranks 0 and 1 torchtitan's placeholder (-1 summed over their 2 data-parallel ranks)
+        if rank < 2:
+            assert set(result["losses"].values()) == {-2.0}
+        else:
+            assert min(result["losses"].values()) > 0
+        assert result["weights"].keys() == result["initial"].keys()
+        assert_trained(result)
+    first, second = stop_and_resume(tmp_path / "stopped", **knobs)
+    assert_bit_exact(first, second, whole)
+
+
+@pytest.mark.slow
+def test_pipeline_checkpoint_loads_without_pipeline_and_with_another_split(tmp_path):
+    """Saved with two model parts per rank (Interleaved1F1B, pp 2 x fsdp 2); loaded at fsdp 4
+    (one whole model per rank) and at 1F1B (one part of 2 blocks per rank)."""
+    saved = train(tmp_path / "saved", stop_after=INTERVAL, **PP_INTERLEAVED)
+    for name, knobs in [("pp1", {"layers": 4}), ("1F1B", {**PP_1F1B, "layers": 4})]:
+        shutil.copytree(tmp_path / "saved" / "checkpoint", tmp_path / name / "checkpoint")
+        loaded = load_only(tmp_path / name, **knobs)
+        assert_same(loaded[0]["weights"], saved[0]["weights"])
+        assert_same(loaded[0]["optimizer_state"], saved[0]["optimizer_state"])
