@@ -128,7 +128,6 @@ def test_expert_parallel_trains_the_model_plain_fsdp_trains(tmp_path, moe_ep2):
         assert difference < (1e-2 if EXPERTS in fqn or ".router." in fqn else 1e-4), (fqn, difference)
 
 
-@pytest.mark.slow
 def test_uneven_experts_stop_and_resume_is_bit_exact(tmp_path):
     """6 experts on 4 ranks: 3 per expert-parallel rank, held as 2 + 1 by its two efsdp ranks."""
     knobs = {**EP2, "num_experts": 6}
@@ -169,7 +168,6 @@ def test_checkpoint_without_expert_parallelism_loads_at_ep2(tmp_path):
     assert_same(loaded[0]["optimizer_state"], saved[0]["optimizer_state"])
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("knobs, parts", [(PP_1F1B, 1), (PP_INTERLEAVED, 2)], ids=["1F1B", "Interleaved1F1B"])
 def test_pipeline_stop_and_resume_is_bit_exact(tmp_path, knobs, parts):
     whole = train(tmp_path / "whole", **knobs)
@@ -187,7 +185,6 @@ def test_pipeline_stop_and_resume_is_bit_exact(tmp_path, knobs, parts):
     assert_bit_exact(first, second, whole)
 
 
-@pytest.mark.slow
 def test_pipeline_checkpoint_loads_without_pipeline_and_with_another_split(tmp_path):
     """Saved with two model parts per rank (Interleaved1F1B, pp 2 x fsdp 2); loaded at fsdp 4
     (one whole model per rank) and at 1F1B (one part of 2 blocks per rank)."""
