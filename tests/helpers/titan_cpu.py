@@ -10,7 +10,10 @@ torchtitan assumes an accelerator in two places that have nothing to do with dmu
 * ``torchtitan.models.common`` imports ``torchtitan.distributed.minimal_async_ep``, whose
   ``kernels.py`` imports triton unconditionally (MoE expert-parallel kernels). CPU torch has no
   triton. :func:`stub_triton_kernels` registers that one kernels module with functions that
-  raise; a dense model never calls them. Where triton is installed nothing is stubbed.
+  raise. Only the ``minimal_async_ep`` token dispatcher calls them: a dense model does not, nor
+  an MoE with the all-to-all dispatcher (``comm_backend="standard"``), which is all torch ops
+  and ``all_to_all_single`` (gloo has it), expert parallelism included. Where triton is
+  installed nothing is stubbed.
 * ``torchtitan.trainer`` imports its HuggingFace dataloaders, which import ``datasets``. That
   package is left out of the test environment: torchtitan pins ``datasets<4.8``, whose fsspec
   pin is older than what s3fs and gcsfs need. :func:`stub_datasets` registers a ``datasets``
