@@ -28,6 +28,9 @@ What is private, and why dmuon needs it:
 * :func:`optimizer_load_state_dict_hooks`: ``Muon.load_state_dict`` loads in place (it keeps
   dtypes and skips entries of parameters this rank does not own) and runs the hooks users
   registered, which torch keeps in private attributes.
+* :func:`is_strided_shard`: FSDP2 composed with expert parallelism shards an expert stack's
+  first dimension with DTensor's private ``_StridedShard``; Muon must know that such a shard
+  still holds whole experts (``optim/expert_stacks.py``).
 * ``default_store()``, :func:`collective_count`: the job's rendezvous store, and the default
   group's count of collectives; after a collective failed, the surviving ranks hold a roll
   call there, under a name that count gives, to name the rank that stopped
@@ -57,6 +60,7 @@ __all__ = [
     "TorchCompatError",
     "collective_count",
     "default_store",  # noqa: F822 - served by __getattr__
+    "is_strided_shard",
     "missing_features",
     "optimizer_load_state_dict_hooks",
     "planner_flat_state",
@@ -127,6 +131,10 @@ _NEEDS = {
     "_get_optim_state_dict": _Need(
         "dedicated parameters under torch's get_optimizer_state_dict / get_state_dict",
         (("torch.distributed.checkpoint.state_dict", "_get_optim_state_dict"),),
+    ),
+    "_StridedShard": _Need(
+        "expert stacks sharded by FSDP2 over expert parallelism",
+        (("torch.distributed.tensor.placement_types", "_StridedShard"),),
     ),
 }
 _found: dict[str, Any] = {name: need.find() for name, need in _NEEDS.items()}
@@ -217,6 +225,15 @@ def state_dict_request(kind: str) -> StateDictRequest | None:
             return StateDictRequest(bool(info.full_state_dict), bool(info.cpu_offload))
         frame = frame.f_back
     return None
+
+
+# ---------------------------------------------------------------------------------------------
+# DTensor: the strided shard of a dimension sharded twice (FSDP2 over expert parallelism)
+# ---------------------------------------------------------------------------------------------
+def is_strided_shard(placement: Any) -> bool:
+    """Is ``placement`` DTensor's ``_StridedShard`` (a torch without it never makes one)?"""
+    strided = _found["_StridedShard"]
+    return strided is not None and isinstance(placement, strided)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -59,6 +59,7 @@ def dedicate_params(
     replicate_mesh: DeviceMesh | None = None,
     reshard_after_forward: bool = True,
     param_dtype: torch.dtype | None = None,
+    expert_stacks: Callable[[str, nn.Parameter], bool] | None = None,
 ) -> dict[str, tuple[int, int]]:
     """Give each parameter selected by ``predicate(fqn, param)`` one owner rank.
 
@@ -86,6 +87,16 @@ def dedicate_params(
             it again before backward (the memory-saving default), or keep it until backward.
         param_dtype: the dtype forward and backward compute in (the master stays fp32);
             the parameter's own dtype by default.
+        expert_stacks: ``(fqn, param) -> bool``, which 3-D parameters are stacks of matrices,
+            one per expert (``[experts, rows, cols]``, torchtitan's ``GroupedExperts``). Each
+            expert is then updated by Muon exactly as a 2-D matrix of its own, on the one rank
+            that holds it: the stack stays a normal parameter for ``fully_shard`` and expert
+            parallelism, whose ``Shard(0)`` gives each rank whole experts (``optim/
+            expert_stacks.py``). A stack matched here is not dedicated even if ``predicate``
+            matches it too. Without it, a dedicated parameter of three or more dimensions is
+            one matrix, flattened to ``[rows, -1]`` (the convolution convention), as before;
+            one that holds a module's experts (its module's ``num_experts`` is its first
+            dimension) is refused rather than silently flattened.
 
     Returns:
         The owner map ``{fqn: (replicate_rank, shard_rank)}``, identical on every rank: sizes
@@ -98,24 +109,35 @@ def dedicate_params(
     topo = resolve_topology(mesh, replicate_mesh)
     tied = _tied_groups(model)
     selected: list[tuple[str, nn.Parameter]] = []
+    stacks: list[tuple[str, tuple[int, ...]]] = []
+    locations = _locations(model)
     for name, param in model.named_parameters():
         fqn = compat.state_dict_name(name)
-        if not predicate(fqn, param):
-            continue
+        if expert_stacks is not None and expert_stacks(fqn, param):
+            if param.ndim != 3:
+                raise ValueError(
+                    f"dedicate_params: {fqn!r} was selected by expert_stacks with shape {tuple(param.shape)}; "
+                    "an expert stack is [experts, rows, cols]"
+                )
+            stacks.append((fqn, tuple(param.shape)))
+        elif predicate(fqn, param):
+            _refuse_unnamed_stack(fqn, param, locations[id(param)][0][0])
+            selected.append((fqn, param))
+    for fqn, param in selected:
         if isinstance(param, torch.distributed.tensor.DTensor):
             raise RuntimeError(
                 f"dedicate_params: {fqn!r} is already a DTensor; call dedicate_params before fully_shard"
             )
-        selected.append((fqn, param))
-    _check_same_everywhere(topo, [(fqn, tuple(p.shape)) for fqn, p in selected])
+    _check_same_everywhere(topo, [(fqn, tuple(p.shape)) for fqn, p in selected] + stacks)
     on_meta = _on_meta(selected)
     owners = assign_owners(
         [(fqn, p.numel() * p.element_size()) for fqn, p in selected],
         topo.replicate_size,
         topo.shard_size,
     )
-    registry = DedicatedRegistry(topo=topo, reshard_after_forward=reshard_after_forward)
-    locations = _locations(model)
+    registry = DedicatedRegistry(
+        topo=topo, reshard_after_forward=reshard_after_forward, stack_fqns=frozenset(fqn for fqn, _ in stacks)
+    )
 
     def bind(param: nn.Parameter, rec: DedicatedParam) -> None:
         setattr(param, fsdp_patch.DEDICATED_ATTR, rec)
@@ -151,6 +173,18 @@ def dedicate_params(
     install_state_dict_hooks(model, registry)
     register(model, registry)
     return owners
+
+
+def _refuse_unnamed_stack(fqn: str, param: nn.Parameter, module: nn.Module) -> None:
+    """A dedicated parameter that holds its module's experts would be flattened into one matrix
+    (a different optimizer than Muon per expert): ask which one is meant."""
+    experts = getattr(module, "num_experts", None)
+    if param.ndim == 3 and isinstance(experts, int) and param.shape[0] == experts:
+        raise ValueError(
+            f"dedicate_params: {fqn!r} of shape {tuple(param.shape)} holds {experts} experts' matrices; "
+            "name it in expert_stacks= to update each expert as its own matrix (Muon per expert), or leave "
+            "it out of the predicate"
+        )
 
 
 def _locations(model: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:

@@ -307,6 +307,9 @@ class DedicatedRegistry:
 
     topo: Topology
     reshard_after_forward: bool
+    #: the expert stacks (``dedicate_params(..., expert_stacks=)``): not dedicated, but updated
+    #: by Muon per expert; named as ``state_dict`` names them
+    stack_fqns: frozenset[str] = frozenset()
     records: dict[str, DedicatedParam] = field(default_factory=dict)
     handles: list = field(default_factory=list)
     sites: list[HookSite] = field(default_factory=list)

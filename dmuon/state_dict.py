@@ -19,7 +19,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 
 from .dedicated import DedicatedRegistry, get_registry
 from .dedicated_state_dict import raw_state_dict
-from .optim.muon import ADAMW_GROUP, MUON_GROUP, Muon, apply_hyperparameters, state_field_shape, state_fields
+from .optim.muon import Muon
+from .optim.state_fields import ADAMW_GROUP, MUON_GROUP, apply_hyperparameters, state_field_shape, state_fields
 from .owner_transfer import from_global_owner
 from .snapshot import wait_for_snapshots
 from .topology import current_rank as _rank
@@ -316,7 +317,7 @@ def get_optimizer_state_dict(
     registry = _registry(model)
     keep = not rank0_only or _rank() == 0
     fsdp2: dict[str, dict[str, torch.Tensor]] = {}
-    for fqn, param in optimizer.plain_adamw_params():
+    for fqn, param in optimizer.plain_params():
         entry = {}
         for name, value in optimizer.state[param].items():
             full = _finish(_full_tensor(value, rank0_only), cpu_offload)
@@ -349,7 +350,7 @@ def set_optimizer_state_dict(model: nn.Module, optimizer: Muon, state_dict: Mapp
         if section not in state_dict:
             raise StateDictError(f"set_optimizer_state_dict: the state dict has no {section!r} section")
     problems: list[str] = []
-    fsdp_params = list(optimizer.plain_adamw_params())
+    fsdp_params = list(optimizer.plain_params())
     for fqn, param in fsdp_params:
         shapes = {name: tuple(t.shape) for name, t in optimizer.state[param].items()}
         _check_entry(problems, "fsdp2", fqn, state_dict["fsdp2"].get(fqn), shapes)

@@ -22,7 +22,8 @@ from torch import nn
 from .. import compat
 from ..dedicated import DedicatedParam, get_registry
 from ..dedicated_state_dict import raw_state_dict
-from ..optim.muon import Muon, state_field_spec, state_fields
+from ..optim.muon import Muon
+from ..optim.state_fields import state_field_spec, state_fields
 from ..state_dict import hyperparameters, restore_hyperparameters
 from .format.layout import EXTRA_SECTION, MODEL_SECTION, OPTIM_SECTION, RESERVED_KEY
 
@@ -137,7 +138,7 @@ def model_state(model: nn.Module, layout: DedicatedLayout) -> dict[str, Any]:
 
 
 def optimizer_state(optimizer: Muon, layout: DedicatedLayout) -> dict[str, Any]:
-    plain = dict(optimizer.plain_adamw_params())
+    plain = dict(optimizer.plain_params())
     state: dict[str, dict[str, Any]] = {fqn: dict(optimizer.state[p]) for fqn, p in plain.items()}
     for rec in optimizer.registry or ():
         if not rec.trainable:

@@ -1,4 +1,5 @@
-"""One optimizer for the whole model: Muon on dedicated matrices, AdamW on everything else.
+"""One optimizer for the whole model: Muon on dedicated matrices and expert stacks, AdamW on
+everything else.
 
 The param groups hold the model's own parameters, the same list on every rank, so that code
 which maps optimizer state to FQNs through ``model.named_parameters()`` (torch's
@@ -6,10 +7,8 @@ which maps optimizer state to FQNs through ``model.named_parameters()`` (torch's
 applied to its fp32 master, on its global owner only: there ``state[param]`` holds its
 momentum (or Adam moments); on every other rank it is an empty dict. AdamW runs on every
 rank's FSDP2 shards (elementwise, so local shards are enough) and on any other trainable
-parameter. State is allocated eagerly so checkpoints always find it.
-
-:data:`STATE_FIELDS` is the one declaration of what each group keeps per parameter; the
-checkpoint code derives its keys and shapes from it.
+parameter. State is allocated eagerly so checkpoints always find it: what each group keeps
+per parameter is declared once, in ``state_fields.py``.
 """
 
 from __future__ import annotations
@@ -28,55 +27,19 @@ from ..dedicated import DedicatedParam, get_registry
 from ..fsdp_patch import is_dedicated
 from ..owner_transfer import from_global_owner
 from ..snapshot import wait_for_snapshots
+from .expert_stacks import muon_scale, orthogonalize_stacks, plan_stacks
 from .newton_schulz import orthogonalize
+from .state_fields import (
+    ADAMW_GROUP,
+    MUON_GROUP,
+    SCALAR_DTYPE,
+    STATE_FIELDS,
+    apply_hyperparameters,
+    state_field_spec,
+    state_fields,
+)
 
-__all__ = [
-    "ADAMW_GROUP",
-    "MUON_GROUP",
-    "SCALAR_DTYPE",
-    "STATE_FIELDS",
-    "Muon",
-    "apply_hyperparameters",
-    "state_field_shape",
-    "state_field_spec",
-    "state_fields",
-]
-
-MUON_GROUP = "muon"
-ADAMW_GROUP = "adamw"
-
-#: Per-parameter optimizer state of each group: name -> "param" (shaped like the parameter,
-#: in the master's dtype) or "scalar" (a 0-d float32 counter).
-STATE_FIELDS: dict[str, dict[str, str]] = {
-    MUON_GROUP: {"momentum_buffer": "param"},
-    ADAMW_GROUP: {"step": "scalar", "exp_avg": "param", "exp_avg_sq": "param"},
-}
-SCALAR_DTYPE = torch.float32
-
-
-def state_field_shape(kind: str, param_shape) -> tuple[int, ...]:
-    return () if kind == "scalar" else tuple(param_shape)
-
-
-def state_fields(rec: DedicatedParam) -> dict[str, str]:
-    """The optimizer state a dedicated parameter has on its global owner: name -> kind."""
-    return STATE_FIELDS[MUON_GROUP if rec.uses_muon else ADAMW_GROUP]
-
-
-def state_field_spec(kind: str, rec: DedicatedParam) -> tuple[tuple[int, ...], torch.dtype]:
-    """(shape, dtype) of one field of a dedicated parameter's state, on every rank alike."""
-    return state_field_shape(kind, rec.shape), SCALAR_DTYPE if kind == "scalar" else rec.master_dtype
-
-
-def apply_hyperparameters(group: dict, saved: dict) -> None:
-    """Saved hyper-parameters into a param group; a tuple comes back as a tuple, even where a
-    checkpoint format turned it into a list (``betas``)."""
-    for key, value in saved.items():
-        if key == "params":
-            continue
-        if isinstance(group.get(key), tuple) and isinstance(value, list):
-            value = tuple(value)
-        group[key] = value
+__all__ = ["Muon"]
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -89,7 +52,9 @@ class Muon(torch.optim.Optimizer):
 
     Build it after ``dmuon.dedicate_params`` and ``fully_shard``. Each dedicated matrix (2-D or
     more, flattened to 2-D) is updated by Muon on its global owner only: momentum, Nesterov,
-    then ``ns_steps`` Newton-Schulz iterations that orthogonalise the update. Every other
+    then ``ns_steps`` Newton-Schulz iterations that orthogonalise the update. Each expert of an
+    expert stack (``dedicate_params(..., expert_stacks=...)``) gets the same update as a 2-D
+    matrix of its own, on the one rank that owns it (``expert_stacks.py``). Every other
     trainable parameter (FSDP2 shards, dedicated vectors) gets AdamW on its local shard. Both
     groups live in ``param_groups`` (named ``"muon"`` and ``"adamw"``) so schedulers see them.
 
@@ -139,11 +104,21 @@ class Muon(torch.optim.Optimizer):
                 (muon_params if rec.uses_muon else adamw_params).append(rec.param)
                 self.fqn_of[id(rec.param)] = rec.fqn
                 self.dedicated_of[id(rec.param)] = rec
+        stack_names = self.registry.stack_fqns if self.registry is not None else frozenset()
+        stacks: list[tuple[str, nn.Parameter]] = []
         for fqn, param in model.named_parameters():
             if is_dedicated(param) or not param.requires_grad:
                 continue
-            adamw_params.append(param)
-            self.fqn_of[id(param)] = compat.state_dict_name(fqn)  # checkpoint keys, as state_dict's
+            name = compat.state_dict_name(fqn)  # checkpoint keys, as state_dict's
+            if name in stack_names:
+                stacks.append((name, param))
+                muon_params.append(param)
+            else:
+                adamw_params.append(param)
+            self.fqn_of[id(param)] = name
+        # the owners of each expert follow from the stack's layout: refused here, by name, if
+        # the update cannot handle it, before any step
+        self.stack_plans = {id(param): plan for (_, param), plan in zip(stacks, plan_stacks(stacks).values())}
         groups = [
             dict(
                 name=MUON_GROUP,
@@ -190,12 +165,14 @@ class Muon(torch.optim.Optimizer):
             return param
         return rec.master if rec.is_global_owner else None
 
-    def plain_adamw_params(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(fqn, param) of the AdamW parameters that are not dedicated (FSDP2 shards and any
-        other trainable tensor): the same list on every rank, each updated where it lies."""
-        for param in self.group(ADAMW_GROUP)["params"]:
-            if id(param) not in self.dedicated_of:
-                yield self.fqn_of[id(param)], param
+    def plain_params(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(fqn, param) of the parameters that are not dedicated (FSDP2 shards, expert stacks,
+        any other trainable tensor), with their state where they lie: the same list on every
+        rank that holds the model."""
+        for group in self.param_groups:
+            for param in group["params"]:
+                if id(param) not in self.dedicated_of:
+                    yield self.fqn_of[id(param)], param
 
     def gather_dedicated_state(self, rec: DedicatedParam, rank0_only: bool) -> dict[str, torch.Tensor]:
         """Collective: the optimizer state of a dedicated parameter, sent from its global owner
@@ -335,21 +312,42 @@ class Muon(torch.optim.Optimizer):
         return loss
 
     def _muon_step(self, group: dict) -> None:
-        lr, mu, wd = group["lr"], group["momentum"], group["weight_decay"]
+        lr, wd = group["lr"], group["weight_decay"]
+        stacks = []
         for model_param in group["params"]:
             param = self.update_target(model_param)
+            plan = self.stack_plans.get(id(model_param))
+            if plan is not None:  # (a stack is no dedicated parameter: its own update target)
+                stacks.append((plan, _local(model_param), self._momentum_update(group, model_param, model_param)))
+                continue
             if param is None or param.grad is None:
                 continue
-            grad = param.grad
-            buf = self.state[model_param]["momentum_buffer"]
-            buf.mul_(mu).add_(grad)
-            update = grad.add(buf, alpha=mu) if group["nesterov"] else buf
-            rows = update.shape[0]
+            update = self._momentum_update(group, model_param, param)
+            assert update is not None
+            rows = update.shape[0]  # a dedicated tensor of more dims: flattened, as convolutions are
             ortho = orthogonalize(update.reshape(rows, -1), group["ns_steps"]).view(param.shape)
-            scale = 0.2 * math.sqrt(max(rows, update[0].numel()))
             if wd:
                 param.mul_(1.0 - lr * wd)
-            param.add_(ortho, alpha=-lr * scale)
+            param.add_(ortho, alpha=-lr * muon_scale(rows, update[0].numel()))
+        if not stacks:
+            return
+        # every rank of a stack's mesh takes part, with or without a gradient (a zero update)
+        updates = [(plan, update if update is not None else torch.zeros_like(value)) for plan, value, update in stacks]
+        for (plan, value, update), ortho in zip(stacks, orthogonalize_stacks(updates, group["ns_steps"])):
+            if update is None:
+                continue
+            if wd:
+                value.mul_(1.0 - lr * wd)
+            value.add_(ortho, alpha=-lr * muon_scale(*plan.matrix))
+
+    def _momentum_update(self, group: dict, model_param: torch.Tensor, param: torch.Tensor) -> torch.Tensor | None:
+        """Momentum (and Nesterov) on this rank's part of ``param``: the update to orthogonalise."""
+        if param.grad is None:
+            return None
+        grad, mu = _local(param.grad), group["momentum"]
+        buf = _local(self.state[model_param]["momentum_buffer"])
+        buf.mul_(mu).add_(grad)
+        return grad.add(buf, alpha=mu) if group["nesterov"] else buf
 
     def _adamw_step(self, group: dict) -> None:
         lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]

@@ -177,11 +177,19 @@ def test_torch_default_save_planner_asks_an_object_for_its_write_items_by_the_pr
     assert thing.asked == [("probe", thing)]
 
 
+def test_is_strided_shard_knows_dtensors_strided_shard_and_nothing_else():
+    from torch.distributed.tensor.placement_types import Replicate, Shard, _StridedShard
+
+    assert compat.is_strided_shard(_StridedShard(0, split_factor=2))
+    assert not compat.is_strided_shard(Shard(0)) and not compat.is_strided_shard(Replicate())
+
+
 def test_compat_names_are_all_exercised():
     tested = {"collective_count", "default_store", "CHECKPOINT_WRAPPER_PREFIX", "CREATE_WRITE_ITEMS", "state_dict_name", "StorageInfo", "DCP_ASYNC_THREAD_PREFIX", "CURRENT_DCP_VERSION", "set_element", "rebuild_tensor", "storage_type_names",
               "FSDP_PATCH_MODULE", "FSDP_PATCH_TARGET", "state_dict_request", "StateDictRequest", "TorchCompatError",
               "missing_features", "require_all", "tree_flatten", "PICKLED_METADATA_GLOBALS", "planner_flat_state",
-              "set_planner_flat_state", "planner_mappings", "planner_nested_state", "optimizer_load_state_dict_hooks"}
+              "set_planner_flat_state", "planner_mappings", "planner_nested_state", "optimizer_load_state_dict_hooks",
+              "is_strided_shard"}
     assert set(compat.__all__) == tested
 
 

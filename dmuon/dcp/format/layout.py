@@ -31,7 +31,7 @@ State-dict keys, after DCP's flattening of an ``AppState``:
 
 * ``model.<fqn>`` -- every parameter and persistent buffer, full logical shape (a dedicated
   weight as one chunk, tied aliases once under the first name);
-* ``optim.state.<fqn>.<name>`` -- optimizer state (names: ``dmuon.optim.muon.STATE_FIELDS``);
+* ``optim.state.<fqn>.<name>`` -- optimizer state (names: ``dmuon.optim.state_fields.STATE_FIELDS``);
 * ``optim.param_groups.<group name>.<hyper-parameter>``;
 * ``extra.*`` -- whatever the caller passed.
 
