@@ -15,6 +15,7 @@ __version__ = "0.1.0"
 #: public name -> the module it is imported from on first use
 PUBLIC = {
     "MetaDeviceError": "dmuon.deferred_init",
+    "ModelParts": "dmuon.model_parts",
     "Muon": "dmuon.optim",
     "StateDictError": "dmuon.state_dict",
     "dedicate_params": "dmuon.dedicate",
@@ -29,6 +30,7 @@ PUBLIC = {
 
 __all__ = [
     "MetaDeviceError",
+    "ModelParts",
     "Muon",
     "StateDictError",
     "__version__",
@@ -46,6 +48,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time, __getattr__ i
     from .dedicate import dedicate_params
     from .dedicated import wait_all_replicate_broadcasts
     from .deferred_init import MetaDeviceError
+    from .model_parts import ModelParts
     from .optim import Muon
     from .snapshot import snapshot_window_closed, wait_for_snapshots
     from .state_dict import (

@@ -53,10 +53,11 @@ class DedicatedLayout:
     entries: dict[str, DedicatedEntry] = field(default_factory=dict)
     topology: tuple[int, int] = (1, 1)  # (replicate, shard) sizes at save
     order: list[str] = field(default_factory=list)  # the model section's keys, in model order
-    # keys (and key prefixes, ending in ".") that every rank holds alike, by construction: the
-    # step counts of AdamW's sharded parameters, the optimizer's hyper-parameters. One rank
-    # writes each (the save planner), instead of every rank offering it to the coordinator.
-    everywhere: set[str] = field(default_factory=set)
+    # keys (and key prefixes, ending in ".") that several ranks hold alike, by construction,
+    # with those ranks (None: every rank): the step counts of AdamW's sharded parameters (the
+    # ranks of the parameter's mesh: one pipeline stage's), the optimizer's hyper-parameters.
+    # One of them writes each (the save planner), instead of all offering it to the coordinator.
+    everywhere: dict[str, tuple[int, ...] | None] = field(default_factory=dict)
 
     def refuse_plain_planner(self, fqn: str, obj: Any) -> list:
         """DCP's checkpointable protocol (``compat.CREATE_WRITE_ITEMS``): a planner other than
@@ -98,7 +99,7 @@ def collect_layout(
                 found.add(f"{prefix}{key}")
                 layout.entries.update({prefix + rel: entry for rel, entry in value.entries.items()})
                 layout.order += [prefix + rel for rel in value.order]
-                layout.everywhere |= {prefix + rel for rel in value.everywhere}
+                layout.everywhere.update({prefix + rel: ranks for rel, ranks in value.everywhere.items()})
                 layout.topology = value.topology
             elif isinstance(value, Mapping):
                 visit(value, f"{prefix}{key}.")
@@ -148,12 +149,14 @@ def optimizer_state(optimizer: Muon, layout: DedicatedLayout) -> dict[str, Any]:
         for name, kind in state_fields(rec).items():
             shape, dtype = state_field_spec(kind, rec)
             layout.entries[f"{OPTIM_SECTION}.state.{rec.fqn}.{name}"] = _entry(rec, shape, dtype)
-    for fqn in plain:
-        fields = state[fqn]
-        layout.everywhere |= {
-            f"{OPTIM_SECTION}.state.{fqn}.{name}" for name, value in fields.items() if not _sharded(value)
-        }
-    layout.everywhere.add(f"{OPTIM_SECTION}.param_groups.")
+    meshes: dict[int, tuple[int, ...]] = {}  # one tuple of ranks per mesh, shared by its keys
+    for fqn, param in plain.items():
+        mesh = getattr(param, "device_mesh", None)
+        holders = meshes.setdefault(id(mesh), tuple(mesh.mesh.flatten().tolist())) if mesh is not None else None
+        for name, value in state[fqn].items():
+            if not _sharded(value):
+                layout.everywhere[f"{OPTIM_SECTION}.state.{fqn}.{name}"] = holders
+    layout.everywhere[f"{OPTIM_SECTION}.param_groups."] = None
     groups = {group.pop("name"): group for group in hyperparameters(optimizer)}
     return {"state": state, "param_groups": groups}
 

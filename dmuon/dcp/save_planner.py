@@ -146,12 +146,22 @@ class DMuonSavePlanner(DefaultSavePlanner):
             mappings.pop(key, None)
         self.layout, self.topology, self.key_order = layout.entries, layout.topology, layout.order
         self.everywhere = layout.everywhere
-        self.everywhere_prefixes = tuple(p for p in layout.everywhere if p.endswith("."))
+        self.everywhere_prefixes = tuple((p, ranks) for p, ranks in layout.everywhere.items() if p.endswith("."))
         self.rank = current_rank()
         self._local_plan: SavePlan | None = None
 
     def _everywhere(self, key: str) -> bool:
-        return key in self.everywhere or key.startswith(self.everywhere_prefixes)
+        return key in self.everywhere or any(key.startswith(prefix) for prefix, _ in self.everywhere_prefixes)
+
+    def _plans_alike_key(self, key: str, world: int) -> bool:
+        """Does this rank plan ``key``, which the ranks holding it hold alike? One of them does,
+        chosen by the key on every rank alike (a hash, so that such keys spread over them)."""
+        if key in self.everywhere:
+            holders = self.everywhere[key]
+        else:
+            holders = next(ranks for prefix, ranks in self.everywhere_prefixes if key.startswith(prefix))
+        choice = zlib.crc32(key.encode())
+        return (holders[choice % len(holders)] if holders else choice % world) == self.rank
 
     def _local_problems(self, state: dict[str, Any]) -> list[str]:
         """Dedicated keys holding the wrong thing, or missing on the rank that must write them."""
@@ -178,7 +188,7 @@ class DMuonSavePlanner(DefaultSavePlanner):
             k: v
             for k, v in everything.items()
             if (k not in self.layout or self.layout[k].writer == self.rank)
-            and (world == 1 or not self._everywhere(k) or zlib.crc32(k.encode()) % world == self.rank)
+            and (world == 1 or not self._everywhere(k) or self._plans_alike_key(k, world))
         }
         self._held_everywhere = [k for k in everything if self._everywhere(k)]
         compat.set_planner_flat_state(self, mine)
@@ -203,7 +213,7 @@ class DMuonSavePlanner(DefaultSavePlanner):
         for key in getattr(self, "_held_everywhere", ()):
             if key not in planned:  # (its rank is not in this save's group: refused, not lost)
                 problems.append(
-                    f"{key}: held alike by every rank but planned by none (a process group that is "
+                    f"{key}: held alike by several ranks but planned by none (a process group that is "
                     "not the whole job? dmuon's planners save over the default group)"
                 )
         writers: dict[str, list[tuple[int, WriteItem]]] = defaultdict(list)
