@@ -105,6 +105,24 @@ def _registry(model: nn.Module) -> DedicatedRegistry | None:
     return registry
 
 
+def _require_whole_job(model: nn.Module, what: str) -> None:
+    """The gathering functions run one collective per key over the whole job: every rank must
+    hold every key. A pipeline stage (or any model on a mesh smaller than the job) holds only
+    its own, and the ranks would wait on each other forever; refuse before the first one."""
+    if not dist.is_initialized():
+        return
+    world = dist.get_world_size()
+    sizes = [rec.topo.world_size for rec in get_registry(model) or ()]
+    sizes += [p.device_mesh.size() for p in model.parameters() if isinstance(p, DTensor)]
+    smaller = [size for size in sizes if size != world]
+    if smaller:
+        raise StateDictError(
+            f"{what} gathers every tensor over the whole job ({world} ranks), but this model lives on a mesh of "
+            f"{smaller[0]} of them (a pipeline stage, dmuon.ModelParts): use dmuon.dcp.save / load, which write "
+            "and read one checkpoint for all stages"
+        )
+
+
 # ---------------------------------------------------------------------------------------------
 # model
 # ---------------------------------------------------------------------------------------------
@@ -115,6 +133,7 @@ def get_model_state_dict(
 
     Collective. With ``rank0_only`` (default) ranks other than 0 return ``{}``.
     """
+    _require_whole_job(model, "get_model_state_dict")
     registry = _registry(model)
     dedicated = registry.by_alias() if registry is not None else {}
     out: dict[str, torch.Tensor] = {}
@@ -314,6 +333,7 @@ def get_optimizer_state_dict(
 ) -> dict[str, Any]:
     """``{"fsdp2": {fqn: {step, exp_avg, exp_avg_sq}}, "dedicated": {fqn: {...}}, "param_groups"}``."""
     optimizer = _check_optimizer(model, optimizer)
+    _require_whole_job(model, "get_optimizer_state_dict")
     registry = _registry(model)
     keep = not rank0_only or _rank() == 0
     fsdp2: dict[str, dict[str, torch.Tensor]] = {}

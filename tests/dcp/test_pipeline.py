@@ -5,7 +5,9 @@ interleaved split of 4 layers), each part with dedicated matrices over its stage
 data-parallel ranks under FSDP2: it trains exactly as the same model on 2 data-parallel ranks
 without pipeline (every loss, every weight), and its checkpoint, written by every stage through
 ``dmuon.dcp.save``, resumes at PP 1 and at PP 2 with every loss and weight of the
-uninterrupted run: model and momentum restored exactly.
+uninterrupted run: model and momentum restored exactly. torch's ``dcp.save`` of the parts'
+merged ``state_dict()`` writes every weight too; the flat-dict gathers refuse (they would wait
+on ranks of the other stage forever).
 """
 import torch
 
@@ -16,7 +18,9 @@ STEPS, SAVED_AT = 4, 2
 
 def pipeline_worker(rank, world, pp, virtual, folder, *, save_at=None, load=False):
     import torch.distributed as dist
+    import torch.distributed.checkpoint as torch_dcp
 
+    import dmuon
     import dmuon.dcp as ddcp
     from tests.helpers.pipeline import build, train_step
 
@@ -35,6 +39,16 @@ def pipeline_worker(rank, world, pp, virtual, folder, *, save_at=None, load=Fals
         if save_at == step + 1:
             ddcp.save(model, opt, f"{folder}/step-{save_at}")
     ddcp.save(model, opt, f"{folder}/final-{pp}x{virtual}-{int(load)}")
+    if pp > 1 and not load:
+        # torch's own door: the merged state dict of the parts, torch's default planner
+        torch_dcp.save({"model": model.state_dict()}, checkpoint_id=f"{folder}/torch-{pp}x{virtual}")
+        try:
+            dmuon.get_model_state_dict(model)
+        except dmuon.StateDictError as exc:
+            refused = str(exc)
+        else:
+            refused = ""
+        assert "pipeline stage" in refused and "dmuon.dcp.save" in refused, refused
     gathered = [None] * world
     dist.all_gather_object(gathered, losses)
     return {k: v for found in gathered for k, v in found.items()}
@@ -64,8 +78,11 @@ def test_pipeline_parts_train_as_the_whole_model_and_resume_at_any_pipeline_degr
     reference = final_state(tmp_path, "final-1x1-0")
     pp_state = final_state(tmp_path, "final-2x2-0")
     assert pp_state.keys() == reference.keys() and any(k.endswith("momentum_buffer") for k in reference)
+    torch_saved = final_state(tmp_path, "torch-2x2")
     for key, value in reference.items():
         assert torch.equal(pp_state[key], value), key
+        if key.startswith("model."):
+            assert torch.equal(torch_saved[key], value), key
     # the one checkpoint of all stages, resumed without pipeline and with it
     for world, pp, virtual in ((2, 1, 1), (4, 2, 2)):
         resumed = run_ranks(pipeline_worker, world, pp, virtual, str(tmp_path), load=True, timeout=120)[0]
