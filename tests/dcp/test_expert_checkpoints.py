@@ -4,7 +4,7 @@ data-parallel degree changes.
 A tiny MoE (``tests/helpers/moe.py``: two stacks per layer, per-expert Muon, dense matrices
 dedicated) trains with expert parallelism 2 over 4 ranks (experts are ``_StridedShard``
 DTensors over ``efsdp`` x ``ep``) and saves through ``dmuon.dcp.save``, torch's ``dcp.save``
-of ``model.state_dict()`` and torch's ``dcp.async_save``. Each checkpoint holds the stacks and
+of ``model.state_dict()``, torch's ``dcp.async_save`` and a ``CheckpointManager``. Each checkpoint holds the stacks and
 their momentum under the model's names, whole. The ``dmuon.dcp`` one loads at EP 1 on 4 and 2
 ranks, EP 2 on 2 ranks and EP 4, and a checkpoint written at EP 1 loads at EP 2: after each
 load the job saves again and every weight and momentum is bit for bit the one saved. A job
@@ -20,7 +20,7 @@ from tests.helpers.launch import run_ranks
 STEPS, SAVED_AT = 4, 2
 
 
-def moe_worker(rank, world, ep, folder, *, experts=8, save=False, load_from=None, tag=""):
+def moe_worker(rank, world, ep, folder, *, experts=8, save=False, load_from=None, tag="", manager=False):
     import torch.distributed.checkpoint as torch_dcp
 
     import dmuon.dcp as ddcp
@@ -28,6 +28,10 @@ def moe_worker(rank, world, ep, folder, *, experts=8, save=False, load_from=None
 
     model, opt = moe.build(ep, experts)
     losses = []
+    if manager:  # the manager's door: resume the newest step of a run
+        assert ddcp.CheckpointManager(f"{folder}/run-ep2").resume(model, opt) == SAVED_AT
+        ddcp.save(model, opt, f"{folder}/reloaded-{tag}")
+        return losses
     if load_from is not None:
         ddcp.load(model, opt, f"{folder}/{load_from}")
         ddcp.save(model, opt, f"{folder}/reloaded-{tag}")
@@ -39,6 +43,8 @@ def moe_worker(rank, world, ep, folder, *, experts=8, save=False, load_from=None
         torch_dcp.save({"model": model.state_dict()}, checkpoint_id=f"{folder}/torch-{tag}")
         pending = torch_dcp.async_save({"model": model.state_dict()}, checkpoint_id=f"{folder}/async-{tag}")
         pending.result()
+        if tag == "ep2":
+            ddcp.CheckpointManager(f"{folder}/run-ep2").save(SAVED_AT, model, opt).wait()
     return losses + moe.train(model, opt, STEPS - SAVED_AT, start=SAVED_AT)
 
 
@@ -122,6 +128,14 @@ def test_weights_and_momentum_restore_exactly_at_another_degree(saved, source, w
     uninterrupted = {"ep2": losses, "ep1": ep1, "ep2-6": uneven}[source][0][SAVED_AT:]
     if world == 4:  # the same data per rank: training goes on as it would have
         torch.testing.assert_close(resumed[0], uninterrupted, rtol=1e-5, atol=1e-5)
+
+
+def test_the_manager_resumes_a_run_at_another_expert_parallel_degree(saved):
+    folder, _, _, _ = saved
+    run_ranks(moe_worker, 4, 1, str(folder), manager=True, tag="manager", timeout=120)
+    before, after = read_back(folder, "ddcp-ep2"), read_back(folder, "reloaded-manager")
+    for key, value in before.items():
+        assert torch.equal(after[key], value), key
 
 
 def test_a_resume_at_the_same_layout_is_bit_exact(saved):
