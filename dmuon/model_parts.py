@@ -58,6 +58,8 @@ class ModelParts(nn.Module):
     or wrap them.
     """
 
+    parts: list[nn.Module]
+
     def __init__(self, parts: Sequence[nn.Module]) -> None:
         super().__init__()
         parts = list(parts)
