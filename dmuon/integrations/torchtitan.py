@@ -47,6 +47,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 from torchtitan.components.optimizer import OptimizersContainer
 
+from .. import compat
 from ..dedicate import dedicate_params
 from ..dedicated import get_registry
 from ..optim.muon import Muon
@@ -55,6 +56,7 @@ __all__ = [
     "MuonOptimizersContainer",
     "build_muon_optimizers",
     "dedicated_parallelize",
+    "default_expert_stacks",
     "default_predicate",
     "with_dmuon",
 ]
@@ -169,27 +171,43 @@ def _dedicated_grads(model_parts: list[nn.Module]) -> list[tuple[torch.Tensor, i
 def _clip_jointly_(model_parts: list[nn.Module], dedicated: list[torch.Tensor], max_norm: float) -> torch.Tensor:
     """Clip sharded and dedicated gradients by their joint 2-norm; return that norm.
 
-    A sharded gradient's norm is a DTensor reduction over its mesh; each dedicated gradient is
-    held by one global owner, so the squares of those are summed over the world (dedicated
-    parameters need a mesh without TP or PP, which :func:`dedicated_parallelize` checks).
+    Each rank sums the squares of what it holds, counted once per job: a DTensor gradient's
+    local shard divided by the number of ranks that hold the same shard (its ``Replicate``
+    dimensions), a dedicated gradient on its global owner. One all-reduce over the world adds
+    the shares. That is right whatever meshes the gradients live on (expert stacks on
+    ``(efsdp, ep)``, dense weights on ``fsdp``) and across pipeline stages, whose parts hold
+    different weights; a norm per mesh, as ``get_total_norm`` takes it, would not add up.
     """
-    sharded = [p.grad for part in model_parts for p in part.parameters() if p.grad is not None]
+    grads = [p.grad for part in model_parts for p in part.parameters() if p.grad is not None]
     device = next((g.device for g in dedicated), None) or next(iter(model_parts[0].parameters())).device
-    squares = torch.zeros((), dtype=torch.float32, device=device)
-    if sharded:
-        norm = torch.nn.utils.get_total_norm(sharded, 2.0)
-        if isinstance(norm, DTensor):
-            norm = norm.full_tensor()
-        squares = squares + norm.to(device=device, dtype=torch.float32) ** 2
     mine = torch.zeros((), dtype=torch.float32, device=device)
+    for grad in grads:
+        mine = mine + _squares_once(grad).to(device)
     for grad in dedicated:
         mine = mine + grad.detach().float().pow(2).sum()
     dist.all_reduce(mine)
-    total = (squares + mine).sqrt()
-    for group in (sharded, dedicated):
-        if group:
-            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
+    total = mine.sqrt()
+    # torch's clip_grads_with_norm_ takes parameters, not gradients; scale the tensors here
+    scale = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    with torch.no_grad():
+        for grad in grads + dedicated:
+            local = grad.to_local() if isinstance(grad, DTensor) else grad
+            local.mul_(scale.to(local.device))
     return total
+
+
+def _squares_once(grad: torch.Tensor) -> torch.Tensor:
+    """This rank's share of ``grad``'s sum of squares, such that the world's shares add to it."""
+    if not isinstance(grad, DTensor):
+        # a plain gradient outside any mesh: every rank of the job holds the same one
+        return grad.detach().float().pow(2).sum() / dist.get_world_size()
+    copies = 1
+    for size, placement in zip(grad.device_mesh.shape, grad.placements):
+        if placement.is_partial():
+            raise ValueError(f"cannot clip a gradient still waiting for its reduction ({grad.placements})")
+        if placement.is_replicate():
+            copies *= size
+    return grad.to_local().detach().float().pow(2).sum() / copies
 
 
 def build_muon_optimizers(
@@ -215,6 +233,25 @@ def default_predicate(fqn: str, param: nn.Parameter) -> bool:
     return param.ndim == 2 and fqn.startswith("layers.")
 
 
+def default_expert_stacks(model: nn.Module) -> Callable[[str, nn.Parameter], bool]:
+    """The 3-D parameters of the model's ``GroupedExperts`` (``w1``, ``w2``, ``w3``: one matrix
+    per expert, ``[experts, out, in]``), for ``dedicate_params(expert_stacks=)``.
+
+    Chosen by module type, not by name or shape: a 3-D weight of another module (a convolution)
+    keeps the meaning it had.
+    """
+    from torchtitan.models.common.moe import GroupedExperts
+
+    stacks = {
+        compat.state_dict_name(f"{prefix}.{name}" if prefix else name)
+        for prefix, module in model.named_modules()
+        if isinstance(module, GroupedExperts)
+        for name, param in module.named_parameters(recurse=False)
+        if param.ndim == 3
+    }
+    return lambda fqn, param: fqn in stacks
+
+
 def dedicated_parallelize(
     parallelize_fn: Callable[..., nn.Module],
     predicate: Callable[[str, nn.Parameter], bool] = default_predicate,
@@ -222,19 +259,25 @@ def dedicated_parallelize(
 ) -> Callable[..., nn.Module]:
     """A torchtitan ``parallelize_fn`` that dedicates the selected weights, then runs ``parallelize_fn``.
 
-    The Trainer calls it with the model still on the meta device; ``dedicate_params`` takes it
-    there, before the wrapped function applies activation checkpointing, ``torch.compile``
-    and ``fully_shard`` (FSDP2 leaves dedicated parameters alone). The mesh is the Trainer's
-    ``fsdp`` mesh (with ``dp_replicate``: HSDP); dedicated weights compute in
-    ``training.mixed_precision_param``, as FSDP's shards do (``dedicate_kwargs`` overrides).
-    Tensor, context, pipeline and expert parallelism are refused (a dedicated weight is whole),
-    and so is an ``spmd_backend`` other than ``"partial_dtensor"`` (set it in the config).
+    The Trainer calls it with the model (with pipeline stages: each model part in turn) still on
+    the meta device; ``dedicate_params`` takes it there, before the wrapped function applies
+    expert parallelism, activation checkpointing, ``torch.compile`` and ``fully_shard`` (FSDP2
+    leaves dedicated parameters alone). The mesh is the Trainer's ``fsdp`` mesh (with
+    ``dp_replicate``: HSDP; with pipeline stages: the data-parallel ranks of this stage);
+    dedicated weights compute in ``training.mixed_precision_param``, as FSDP's shards do.
+    The experts' stacks (:func:`default_expert_stacks`) are updated by Muon per expert where
+    expert parallelism and FSDP put them. ``dedicate_kwargs`` overrides these choices.
+    Tensor and context parallelism are refused (a dedicated weight is whole), and so is an
+    ``spmd_backend`` other than ``"partial_dtensor"`` (set it in the config).
 
     It also takes gradient clipping over: ``training.max_norm`` is handed to
-    :class:`MuonOptimizersContainer` (through the model) and set to infinity for torchtitan's
-    own clipping, which does not see dedicated gradients.
+    :class:`MuonOptimizersContainer` (through the model parts) and set to infinity for
+    torchtitan's own clipping, which does not see dedicated gradients.
     """
     from torchtitan.config import TORCH_DTYPE_MAP
+
+    # the threshold each Trainer config was given, kept across the calls for its model parts
+    thresholds: dict[int, float] = {}
 
     @functools.wraps(parallelize_fn)
     def parallelize(
@@ -246,18 +289,30 @@ def dedicated_parallelize(
                 "the other backends have FSDP expect every parameter as a DTensor on the full mesh, "
                 "and a dedicated parameter is a plain tensor"
             )
-        refused = [name for name in ("tp", "cp", "pp", "ep") if getattr(parallel_dims, f"{name}_enabled")]
+        refused = [name for name in _REFUSED if getattr(parallel_dims, f"{name}_enabled")]
         if refused:
-            raise NotImplementedError(f"dmuon's dedicated weights need pure data parallelism; enabled here: {refused}")
+            raise NotImplementedError(
+                f"dmuon's dedicated weights do not support {', '.join(_REFUSED[name] for name in refused)} yet; "
+                f"enabled here: {refused}"
+            )
         replicate = parallel_dims.get_mesh("dp_replicate") if parallel_dims.dp_replicate_enabled else None
-        options = {"param_dtype": TORCH_DTYPE_MAP[training.mixed_precision_param], **dedicate_kwargs}
+        options = {
+            "param_dtype": TORCH_DTYPE_MAP[training.mixed_precision_param],
+            "expert_stacks": default_expert_stacks(model),
+            **dedicate_kwargs,
+        }
         dedicate_params(model, parallel_dims.get_mesh("fsdp"), predicate, replicate_mesh=replicate, **options)
         model = parallelize_fn(model, parallel_dims=parallel_dims, training=training, parallelism=parallelism, **kwargs)
-        setattr(model, _MAX_NORM_ATTR, training.max_norm)
+        threshold = thresholds.setdefault(id(training), training.max_norm)
+        setattr(model, _MAX_NORM_ATTR, threshold)
         training.max_norm = math.inf
         return model
 
     return parallelize
+
+
+#: the parallelisms a dedicated weight cannot take part in yet, by torchtitan's short name
+_REFUSED = {"tp": "tensor parallelism", "cp": "context parallelism"}
 
 
 def with_dmuon(

@@ -110,3 +110,46 @@ def test_retention_keeps_the_newest_and_exports_hold_full_dedicated_weights(tmp_
     hf_weights = load_file(tmp_path / "hf" / "step-5" / hf_file)
     for key, value in want.items():
         assert torch.equal(hf_weights[key], value), key
+
+
+def joint_clipping_worker(rank, world):
+    """One step of the tiny MoE at EP 2 (stacks on (efsdp, ep), dense weights on 4 ranks, the
+    proj matrices dedicated): the container's norm against every gradient gathered whole."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from dmuon.dedicated import get_registry
+    from dmuon.integrations.torchtitan import MuonOptimizersContainer
+    from tests.helpers import moe
+
+    model, opt = moe.build(ep=2)
+    gen = torch.Generator().manual_seed(7 + rank)
+    tokens = torch.randint(0, moe.VOCAB, (2, moe.SEQ), generator=gen)
+    logits = model(tokens[:, :-1])
+    torch.nn.functional.cross_entropy(logits.reshape(-1, moe.VOCAB), tokens[:, 1:].reshape(-1)).backward()
+
+    def whole_norm() -> float:
+        squares = 0.0
+        for param in model.parameters():
+            if isinstance(param.grad, DTensor):
+                squares += float(param.grad.full_tensor().double().pow(2).sum())
+        owned = {rec.fqn: float(rec.master.grad.double().pow(2).sum())
+                 for rec in get_registry(model) if rec.is_global_owner and rec.master.grad is not None}
+        everyone = [None] * world
+        dist.all_gather_object(everyone, owned)
+        dedicated = {fqn: value for found in everyone for fqn, value in found.items()}
+        assert len(dedicated) == len(get_registry(model).records)
+        return (squares + sum(dedicated.values())) ** 0.5
+
+    before = whole_norm()
+    container = MuonOptimizersContainer([model], [opt], max_norm=before / 4)
+    container.step()
+    return before, float(container.grad_norm), whole_norm()
+
+
+def test_joint_clipping_counts_every_gradient_once_across_meshes():
+    """Gradients on two meshes and on their owners: one norm over all of them, each counted once
+    (a norm per mesh, or a sharded one counted on every rank, would not match), then clipped."""
+    for before, reported, after in run_ranks(joint_clipping_worker, 4):
+        assert reported == pytest.approx(before, rel=1e-5)
+        assert after == pytest.approx(before / 4, rel=1e-4)

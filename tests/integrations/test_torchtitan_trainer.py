@@ -120,8 +120,9 @@ def test_docs_config_parses_through_torchtitans_config_manager(tmp_path):
 
 @pytest.mark.parametrize("backend, enabled, message", [
     ("spmd_types", (), "spmd_backend='partial_dtensor'"),
-    ("partial_dtensor", ("tp",), "pure data parallelism; enabled here: ['tp']"),
-    ("partial_dtensor", ("pp", "ep"), "enabled here: ['pp', 'ep']"),
+    ("partial_dtensor", ("tp",), "do not support tensor parallelism yet; enabled here: ['tp']"),
+    ("partial_dtensor", ("cp", "pp", "ep"), "do not support context parallelism yet; enabled here: ['cp']"),
+    ("partial_dtensor", ("tp", "cp"), "tensor parallelism, context parallelism yet"),
 ])
 def test_dedicated_parallelize_refuses_what_cannot_hold_a_whole_weight(backend, enabled, message):
     from types import SimpleNamespace
