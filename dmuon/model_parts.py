@@ -21,12 +21,14 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from .dedicated import DedicatedRegistry, get_registry, register
 from .dedicated_state_dict import raw_state_dict
 
-__all__ = ["IncompatibleKeys", "ModelParts", "PartsRegistry"]
+__all__ = ["IncompatibleKeys", "ModelParts", "PartsRegistry", "mesh_smaller_than_job"]
 
 
 class IncompatibleKeys(NamedTuple):
@@ -120,3 +122,14 @@ class ModelParts(nn.Module):
                 f"ModelParts.load_state_dict: missing keys {sorted(missing)}, unexpected keys {sorted(unexpected)}"
             )
         return IncompatibleKeys(missing, unexpected)
+
+
+def mesh_smaller_than_job(model: nn.Module) -> int | None:
+    """The size of a mesh of ``model``'s (dedicated or DTensor parameters) that does not span
+    the whole job, as a pipeline stage's does; None when every mesh spans it."""
+    if not dist.is_initialized():
+        return None
+    world = dist.get_world_size()
+    sizes = [rec.topo.world_size for rec in get_registry(model) or ()]
+    sizes += [p.device_mesh.size() for p in model.parameters() if isinstance(p, DTensor)]
+    return next((size for size in sizes if size != world), None)

@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 
 from .dedicated import DedicatedRegistry, get_registry
 from .dedicated_state_dict import raw_state_dict
+from .model_parts import mesh_smaller_than_job
 from .optim.muon import Muon
 from .optim.state_fields import ADAMW_GROUP, MUON_GROUP, apply_hyperparameters, state_field_shape, state_fields
 from .owner_transfer import from_global_owner
@@ -83,19 +84,13 @@ def _gather_dtensor_to_rank0(tensor: DTensor) -> torch.Tensor | None:
 
 def _full_tensor(tensor: torch.Tensor, rank0_only: bool) -> torch.Tensor | None:
     if isinstance(tensor, DTensor):
-        if rank0_only:
-            return _gather_dtensor_to_rank0(tensor)
-        return tensor.full_tensor()
+        return _gather_dtensor_to_rank0(tensor) if rank0_only else tensor.full_tensor()
     return tensor if (not rank0_only or _rank() == 0) else None
 
 
 def _copy_out(tensor: torch.Tensor, cpu_offload: bool) -> torch.Tensor:
     # Always a copy: the result must not alias live parameters or optimizer state.
     return tensor.detach().to("cpu" if cpu_offload else tensor.device, copy=True)
-
-
-def _finish(tensor: torch.Tensor | None, cpu_offload: bool) -> torch.Tensor | None:
-    return None if tensor is None else _copy_out(tensor, cpu_offload)
 
 
 def _registry(model: nn.Module) -> DedicatedRegistry | None:
@@ -106,20 +101,14 @@ def _registry(model: nn.Module) -> DedicatedRegistry | None:
 
 
 def _require_whole_job(model: nn.Module, what: str) -> None:
-    """The gathering functions run one collective per key over the whole job: every rank must
-    hold every key. A pipeline stage (or any model on a mesh smaller than the job) holds only
-    its own, and the ranks would wait on each other forever; refuse before the first one."""
-    if not dist.is_initialized():
-        return
-    world = dist.get_world_size()
-    sizes = [rec.topo.world_size for rec in get_registry(model) or ()]
-    sizes += [p.device_mesh.size() for p in model.parameters() if isinstance(p, DTensor)]
-    smaller = [size for size in sizes if size != world]
-    if smaller:
+    """The gathers run one collective per key over the whole job; ranks of a smaller mesh (a
+    pipeline stage) would wait on each other forever: refuse before the first one."""
+    size = mesh_smaller_than_job(model)
+    if size is not None:
         raise StateDictError(
-            f"{what} gathers every tensor over the whole job ({world} ranks), but this model lives on a mesh of "
-            f"{smaller[0]} of them (a pipeline stage, dmuon.ModelParts): use dmuon.dcp.save / load, which write "
-            "and read one checkpoint for all stages"
+            f"{what} gathers every tensor over the whole job ({dist.get_world_size()} ranks), but this model lives "
+            f"on a mesh of {size} of them (a pipeline stage, dmuon.ModelParts): use dmuon.dcp.save / load, which "
+            "write and read one checkpoint for all stages"
         )
 
 
@@ -144,7 +133,7 @@ def get_model_state_dict(
             full = from_global_owner(rec, master, rank0_only)
         else:
             full = _full_tensor(value.detach() if isinstance(value, torch.Tensor) else value, rank0_only)
-        full = _finish(full, cpu_offload)
+        full = None if full is None else _copy_out(full, cpu_offload)
         if full is not None:
             out[key] = full
     return out
@@ -340,7 +329,8 @@ def get_optimizer_state_dict(
     for fqn, param in optimizer.plain_params():
         entry = {}
         for name, value in optimizer.state[param].items():
-            full = _finish(_full_tensor(value, rank0_only), cpu_offload)
+            full = _full_tensor(value, rank0_only)
+            full = None if full is None else _copy_out(full, cpu_offload)
             if full is not None:
                 entry[name] = full
         if keep:
