@@ -143,3 +143,15 @@ def test_a_resume_at_the_same_layout_is_bit_exact(saved):
     resumed = run_ranks(moe_worker, 4, 2, str(folder), load_from="ddcp-ep2", tag="same", timeout=120)
     for rank in range(4):
         assert resumed[rank] == losses[rank][SAVED_AT:]
+
+
+def test_an_expert_parallel_job_restores_on_fewer_data_parallel_ranks(tmp_path):
+    """EP 2 x efsdp 4 on 8 ranks (one expert per rank, dense matrices owned over 8) saved; loaded
+    at EP 2 x efsdp 2 on 4 ranks: FSDP 4 -> 2 within the expert-parallel job, model and momentum
+    exact."""
+    run_ranks(moe_worker, 8, 2, str(tmp_path), save=True, tag="ep2-8", timeout=180)
+    run_ranks(moe_worker, 4, 2, str(tmp_path), load_from="ddcp-ep2-8", tag="ep2-8-to-4", timeout=120)
+    before, after = read_back(tmp_path, "ddcp-ep2-8"), read_back(tmp_path, "reloaded-ep2-8-to-4")
+    assert before.keys() == after.keys() and any(key.endswith(".momentum_buffer") for key in before)
+    for key, value in before.items():
+        assert torch.equal(after[key], value), key
