@@ -29,19 +29,12 @@ from .reference import HPARAMS
 DIM, HIDDEN, VOCAB, SEQ = 32, 48, 64, 9
 
 
-class _ScaleGrad(torch.autograd.Function):
-    """Identity forward; the gradient times ``factor``. Under expert parallelism a rank's experts
-    see the tokens of all ``ep`` ranks, and FSDP2 averages over ``efsdp`` only: ``1 / ep`` makes
-    the experts' gradients the job-wide mean, as the dense weights' are."""
-
-    @staticmethod
-    def forward(ctx, tensor, factor):
-        ctx.factor = factor
-        return tensor.view_as(tensor)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad * ctx.factor, None
+def _scaled_grad(tensor: torch.Tensor, factor: float) -> torch.Tensor:
+    """``tensor`` itself forward (exactly: the second term is zero), its gradient times ``factor``
+    backward. Under expert parallelism a rank's experts see the tokens of all ``ep`` ranks, and
+    FSDP2 averages over ``efsdp`` only: ``1 / ep`` makes the experts' gradients the job-wide
+    mean, as the dense weights' are."""
+    return tensor.detach() + (tensor - tensor.detach()) * factor
 
 
 class Experts(nn.Module):
@@ -59,7 +52,7 @@ class Experts(nn.Module):
             assert isinstance(w_out, DTensor) and self.ep_group is not None
             first = dist.get_group_rank(self.ep_group, dist.get_rank()) * w_in.to_local().shape[0]
             ep = dist.get_world_size(self.ep_group)
-            w_in, w_out = (_ScaleGrad.apply(w.to_local(), 1.0 / ep) for w in (w_in, w_out))
+            w_in, w_out = (_scaled_grad(w.to_local(), 1.0 / ep) for w in (w_in, w_out))
             x = funcol.all_gather_single_autograd(x, 0, self.ep_group)
             choice = funcol.all_gather_single_autograd(choice, 0, self.ep_group)
             gate = funcol.all_gather_single_autograd(gate, 0, self.ep_group)
