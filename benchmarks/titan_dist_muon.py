@@ -42,6 +42,9 @@ sys.path.insert(0, str(ROOT))
 
 from tests.helpers.launch import run_ranks  # noqa: E402
 
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from moe_step import allow_dist_muon_on_cpu  # noqa: E402  (the same two lifts)
+
 STEPS, INTERVAL = 6, 3
 EXPERTS = ("w1_EFD", "w2_EDF", "w3_EFD")
 
@@ -78,28 +81,10 @@ def dist_muon_optimizer(layers: int, lr: float = 0.02):
     )
 
 
-def allow_cpu() -> None:
-    """Lift DistMuon's two CUDA-only checks in this process (see the docstring)."""
-    import torch
-    from torchtitan.distributed.flex_shard import dist_muon
-
-    def single_device(self):
-        devices = {p.to_local().device for group in self.param_groups for p in group["params"]}
-        assert len(devices) == 1, devices
-        return devices.pop()
-
-    class CpuStream(torch.cpu.Stream):
-        def __init__(self, device=None, priority: int = -1) -> None:
-            super().__init__(priority)
-
-    dist_muon.DistMuon._validate_parameter_storage = single_device
-    torch.cpu.Stream = CpuStream
-
-
 def job(rank, world, folder, *, stop_after=None, **knobs):
     from tests.helpers import titan_trainer
 
-    allow_cpu()
+    allow_dist_muon_on_cpu()
     config = titan_trainer.tiny_config(folder, steps=STEPS, interval=INTERVAL, muon=False, model="moe", **knobs)
     config.optimizer = dist_muon_optimizer(titan_trainer.LAYERS)
     return titan_trainer.run(config, stop_after=stop_after, optimizer_state=True)
