@@ -190,6 +190,7 @@ class Model:
         """What AppState puts under ``__dmuon__``: the same on every rank."""
         layout = DedicatedLayout(topology=(self.mesh.replicate, self.mesh.shard))
         layout.order = [f"{MODEL_SECTION}.{fqn}" for fqn, _ in self.params]
+        holders = tuple(range(self.mesh.world))  # (every plain parameter's mesh is the whole job's)
         for fqn, shape in self.params:
             if fqn in self.owners:
                 owner, writer = self.owners[fqn], self.writer(fqn)
@@ -197,8 +198,8 @@ class Model:
                 key = f"{OPTIM_SECTION}.state.{fqn}.momentum_buffer"
                 layout.entries[key] = DedicatedEntry(shape, FP32, writer, owner)
             elif not is_muon(fqn, shape):  # what AppState marks as held alike by every rank
-                layout.everywhere.add(f"{OPTIM_SECTION}.state.{fqn}.step")
-        layout.everywhere.add(f"{OPTIM_SECTION}.param_groups.")
+                layout.everywhere[f"{OPTIM_SECTION}.state.{fqn}.step"] = holders
+        layout.everywhere[f"{OPTIM_SECTION}.param_groups."] = None
         return layout
 
     def state(self, rank: int, layout: DedicatedLayout | None = None) -> dict[str, Any]:
