@@ -148,9 +148,10 @@ def run_dmuon(world: SimulatedWorld, model: Model, n: int, full_load_max: int, t
 def open_listing(url: str):
     """How dmuon's Checkpointer.load opens a checkpoint: ``open_once`` (rank 0 reads the small
     files and broadcasts them)."""
+    from dmuon.dcp.group_transport import transport_over
     from dmuon.dcp.operation import open_once
 
-    return open_once(url, None)
+    return open_once(url, None, transport_over(None))
 
 
 def sampled_load(world: SimulatedWorld, side: LoadSide, metadata) -> Phase:

@@ -31,8 +31,8 @@ What is private, and why dmuon needs it:
 * :func:`is_strided_shard`: FSDP2 composed with expert parallelism shards an expert stack's
   first dimension with DTensor's private ``_StridedShard``; Muon must know that such a shard
   still holds whole experts (``optim/expert_stacks.py``).
-* ``default_store()``, :func:`collective_count`: the job's rendezvous store, and the default
-  group's count of collectives; after a collective failed, the surviving ranks hold a roll
+* ``default_store()``, :func:`collective_count`: the job's rendezvous store, and a group's
+  count of collectives; after a collective failed, the surviving ranks hold a roll
   call there, under a name that count gives, to name the rank that stopped
   (``dcp/rank_failure.py``).
 """
@@ -317,13 +317,13 @@ def _planner_attribute(planner: Any, name: str) -> Any:
         ) from None
 
 
-def collective_count() -> int:
-    """How many collectives the default process group has run: the same number on every rank at
-    the same point of an SPMD program (``ProcessGroup._get_sequence_number_for_group``), so it
-    names one operation on all ranks at once (``dcp/rank_failure.py``'s roll call)."""
+def collective_count(group: Any = None) -> int:
+    """How many collectives ``group`` (None: the default group) has run: the same number on every
+    rank at the same point of an SPMD program (``ProcessGroup._get_sequence_number_for_group``),
+    so it names one operation on all ranks at once (``dcp/rank_failure.py``'s roll call)."""
     import torch.distributed as dist
 
-    group = dist.group.WORLD
+    group = dist.group.WORLD if group is None else group
     method = getattr(group, "_get_sequence_number_for_group", None)
     if method is None:
         raise TorchCompatError(

@@ -1,12 +1,16 @@
 """The checkpointers: one save body and one load body for every door.
 
-:class:`Checkpointer` saves and loads a model and its ``dmuon.Muon`` optimizer through DCP with
-dmuon's planners, reader and writer, and keeps what one save leaves for the next: the save
-plans of an unchanged layout (a :class:`~dmuon.dcp.plan_cache.SavePlanCache`).
+:class:`Checkpointer` saves and loads a model and its ``dmuon.Muon`` optimizer as DCP
+checkpoints with dmuon's planners, reader and writer, through dmuon's own rounds
+(``save_protocol.py``, ``load_protocol.py``, over a ``transport.py`` transport), and keeps
+what one save leaves for the next: the save plans of an unchanged layout (a
+:class:`~dmuon.dcp.plan_cache.SavePlanCache`).
 :class:`AsyncCheckpointer` is the same object whose write runs in the background: ``save``
-returns once this rank's share is copied to host memory. It also keeps a gloo group of its own
-(DCP's collectives in a background thread can deadlock with training collectives on one group)
-and the host staging buffers, reused from one save to the next. Both have one vocabulary:
+returns once this rank's share is copied to host memory, and its writer thread runs the very
+body a synchronous save runs (``Checkpointer._save_body``: the same rounds, errors, garbage-
+collector pause and plan-cache reset). It also keeps a gloo group of its own (collectives in a
+background thread can deadlock with training collectives on one group) and the host staging
+buffers (torch's ``DefaultStager``), reused from one save to the next. Both have one vocabulary:
 ``save`` returns a :class:`SaveHandle`, ``wait(timeout)`` says whether the save in flight
 finished (and raises its failure), ``close`` frees what is kept.
 
@@ -26,24 +30,25 @@ from typing import cast
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from .. import exit_guard
 from ..optim.muon import Muon
 from ..snapshot import track_snapshot, wait_for_snapshots
 from .app_state import AppState
-from .errors import CheckpointError, from_checkpoint_exception
+from .errors import CheckpointError
 from .gc_pause import paused_gc
+from .group_transport import transport_over
 from .hf import is_safetensors_checkpoint, load_safetensors
 from .load_planner import DMuonLoadPlanner
 from .load_protocol import run_load
-from .operation import load_state, open_once, run_checkpoint_op
+from .operation import load_state, open_once
 from .plan_cache import SavePlanCache
 from .rank_failure import Phases
 from .reader import DMuonStorageReader
 from .save_planner import DMuonSavePlanner
 from .save_protocol import run_save
+from .transport import Transport
 from .writer import DMuonStorageWriter
 
 __all__ = ["AsyncCheckpointer", "Checkpointer", "SaveHandle", "model_checkpointer"]
@@ -93,8 +98,8 @@ class SaveHandle:
         error = self._future.exception()
         if error is not None and not self.reported:
             self.reported = True
-            if isinstance(error, CheckpointException):
-                error = from_checkpoint_exception(error, f"async save to {self.checkpoint_id}")
+            if isinstance(error, CheckpointError):  # typed and named by the save body
+                raise error
             raise CheckpointError(f"async save to {self.checkpoint_id} failed: {error}") from error
         return True
 
@@ -154,23 +159,25 @@ class Checkpointer:
     def _write(
         self, state: dict, writer: DMuonStorageWriter, planner: DMuonSavePlanner, checkpoint_id, model: nn.Module
     ) -> SaveHandle:
+        self._save_body(state, writer, planner, transport_over(None), f"save to {checkpoint_id}")
+        return SaveHandle.committed(checkpoint_id)
+
+    def _save_body(
+        self, state: dict, writer: DMuonStorageWriter, planner: DMuonSavePlanner, transport: Transport, title: str
+    ) -> None:
+        """The one body of every save, synchronous or on an async save's writer thread: the
+        rounds over ``transport`` (every rank's failure raised on every rank as dmuon's typed
+        error naming the ranks and the round; a rank that stops named with the phase this rank
+        was in), Python's garbage collector paused, and the plan cache cleared on failure, on
+        every rank alike (every rank fails the same save), so that the caches stay in step."""
         phases = Phases("planning")
         writer.phases = phases
         try:
-            with paused_gc():
-                run_checkpoint_op(
-                    run_save,
-                    state,
-                    writer,
-                    planner,
-                    what=f"save to {checkpoint_id}",
-                    phases=phases,
-                    consequence="nothing was committed",
-                )
+            with paused_gc(), transport.operation(title, phases, "nothing was committed"):
+                run_save(state, writer, planner, transport)
         except BaseException:
-            self.plan_cache.clear()  # every rank fails the same save: the caches stay in step
+            self.plan_cache.clear()
             raise
-        return SaveHandle.committed(checkpoint_id)
 
     def load(
         self,
@@ -206,22 +213,16 @@ class Checkpointer:
                 raise ValueError("a safetensors checkpoint holds weights only: pass optimizer=None")
             load_safetensors(model, checkpoint_id, storage_options=options, strict=not allow_partial_load)
             return {}
-        listing = open_once(checkpoint_id, options)  # typed errors, the same on every rank
+        transport = transport_over(None)
+        listing = open_once(checkpoint_id, options, transport)  # typed errors, the same on every rank
         app, state = load_state(model, optimizer, listing.metadata)
         reader = DMuonStorageReader(checkpoint_id, storage_options=options, listing=listing, cooperative=cooperative)
         planner = DMuonLoadPlanner(allow_partial_load=allow_partial_load, cast_dtypes=cast_dtypes)
         phases = Phases("planning")
         reader.phases = phases
-        with paused_gc():
-            run_checkpoint_op(
-                run_load,
-                state,
-                reader,
-                planner,
-                what=f"load from {checkpoint_id}",
-                phases=phases,
-                consequence="the model and optimizer may be partly loaded: load again",
-            )
+        consequence = "the model and optimizer may be partly loaded: load again"
+        with paused_gc(), transport.operation(f"load from {checkpoint_id}", phases, consequence):
+            run_load(state, reader, planner, transport)
         app.load_state_dict(state)
         return app.loaded_extra
 
@@ -323,7 +324,7 @@ class AsyncCheckpointer(Checkpointer):
         def write() -> None:
             staged = started.result()
             copy = staged.result() if isinstance(staged, concurrent.futures.Future) else staged
-            run_save(copy, writer, planner, group)
+            self._save_body(copy, writer, planner, transport_over(group), f"async save to {checkpoint_id}")
 
         executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="dmuon-async-save")
         written = executor.submit(write)

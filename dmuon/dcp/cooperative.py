@@ -12,8 +12,9 @@ receive it. Ranks then read what they were given -- verifying every byte against
 as always -- and exchange the shared regions point to point.
 
 Failures stay loud: before any exchange every rank reports whether its reads succeeded (one
-small all-gather of their errors), so a corrupt or missing file on the reading rank fails the load on every
-rank, instead of leaving the others waiting for bytes that will never come.
+all-reduce of one number; their errors gathered only when one failed), so a corrupt or missing
+file on the reading rank fails the load on every rank, instead of leaving the others waiting
+for bytes that will never come.
 
 Objects (non-tensor items: step counters, hyper-parameters) are small and read by every rank
 that needs them.
@@ -43,8 +44,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
 
-from .agreement import agree, gather_over
 from .errors import CheckpointError
+from .group_transport import GroupTransport, exchange_device
+from .transport import Attempt
 
 __all__ = [
     "COOPERATIVE_ENV",
@@ -194,20 +196,17 @@ def read_shared(
     planner: Any,
     read_items: Callable[..., None],
     dtypes: dict[str, torch.dtype],
-    group: Any,
+    transport: GroupTransport,
 ) -> None:
     """This rank's part of a cooperative load: read every item not received from another rank
     (``read_items(items, planner, keep)``, verifying as usual), agree that every rank's reads
     succeeded, then send and receive the shared regions and commit what arrived."""
-    group = group if group is not None else dist.group.WORLD
+    group = transport.group if transport.group is not None else dist.group.WORLD
     received = {id(plan.items[position]) for position in share.receives}
     keep: dict[int, Any] = {id(plan.items[position]): None for position in share.sends}
-    failure: BaseException | None = None
-    try:
+    with Attempt() as reading:
         read_items([item for item in plan.items if id(item) not in received], planner, keep)
-    except BaseException as error:  # reported to every rank below, then raised here
-        failure = error
-    agree(failure, gather_over(group), "cooperative load: nothing was exchanged, reads failed")
+    transport.settle(reading, "reading (cooperative load: nothing was exchanged)")
     device = exchange_device(group)
     sends = []
     for position, transfer in share.sends.items():
@@ -236,14 +235,6 @@ def read_shared(
         if buffer is not target:
             target.copy_(buffer)
         planner.commit_tensor(item, target)
-
-
-def exchange_device(group: Any) -> torch.device:
-    """Where the exchanged tensors must live for the group's backend (NCCL: the current GPU)."""
-    backend = str(dist.get_backend(group)).lower()
-    if "nccl" in backend and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def exchange(sends: list[tuple[Transfer, torch.Tensor]], receives: list[tuple[Transfer, torch.Tensor]], group: Any):

@@ -1,5 +1,5 @@
 """Checkpoint errors. All are ordinary Exceptions (torch's CheckpointException is a BaseException
-that ``except Exception`` misses; dmuon's API converts it into :class:`CheckpointError`)."""
+that ``except Exception`` misses: dmuon's own rounds, ``transport.py``, raise these instead)."""
 
 from __future__ import annotations
 
@@ -15,12 +15,19 @@ __all__ = [
     "SaveRefusedError",
     "StorageError",
     "UnsafeCheckpointError",
-    "from_checkpoint_exception",
 ]
 
 
 class CheckpointError(RuntimeError):
-    """A save or load failed; the message names the rank, key or file at fault."""
+    """A save or load failed; the message names the rank, key or file at fault. Raised on
+    every rank for a failure of some (``transport.py``): ``ranks`` are the ranks that failed,
+    ``phase`` the round they failed in."""
+
+    ranks: tuple[int, ...] = ()
+    phase: str = ""
+    #: raised alike on every rank by a round of the transport: a rank's next round does not
+    #: report it again (``transport.Attempt`` lets it through)
+    everywhere: bool = False
 
 
 class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
@@ -85,18 +92,3 @@ class NoLoadableCheckpointError(_ProblemListError):
     stop and say so, not train from scratch over them."""
 
     headline = "none of the {count} committed checkpoint(s) could be loaded; refusing to start over"
-
-
-def from_checkpoint_exception(exc, what: str) -> CheckpointError:
-    """torch's ``CheckpointException`` (a BaseException carrying every rank's failure) as a
-    catchable :class:`CheckpointError` of the first failing rank's type, saying what failed."""
-    rank = min(exc.failures)
-    cause = exc.failures[rank][0]
-    message = f"{what} failed on rank(s) {sorted(exc.failures)}: {cause}"
-    error_type = type(cause) if isinstance(cause, CheckpointError) else CheckpointError
-    try:
-        error = error_type(message)
-    except TypeError:
-        error = CheckpointError(message)
-    error.__cause__ = cause
-    return error

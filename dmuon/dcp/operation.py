@@ -1,9 +1,7 @@
-"""One DCP save or load under a checkpointer: the call, its state, and its failures named.
+"""What a load starts from, for the checkpointers and for the tiers' planning of a load.
 
-``run_checkpoint_op`` runs ``dcp.save``/``dcp.load`` and turns what breaks into dmuon's
-errors (torch's ``CheckpointException``; a rank that stopped, ``rank_failure.py``).
 ``open_once`` opens a checkpoint's small files on one rank for all; ``load_state`` builds
-what a load fills in, for the checkpointers and for the tiers' planning of a load.
+what a load fills in (the model's and optimizer's state, the skeleton of the saved ``extra``).
 """
 
 from __future__ import annotations
@@ -12,43 +10,18 @@ import os
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
 from .. import compat
 from ..optim.muon import Muon
-from .agreement import broadcast_over, decided
 from .app_state import AppState
 from .checkpoint import CheckpointListing, open_checkpoint
-from .errors import from_checkpoint_exception
 from .format.layout import EXTRA_SECTION
-from .rank_failure import Phases, RollCall, explain_failure
 from .storage.registry import open_store
+from .transport import Transport
 
-__all__ = ["extra_template", "load_state", "open_once", "run_checkpoint_op"]
-
-
-def run_checkpoint_op(fn, *args, what: str, phases: Phases | None = None, consequence: str = "", **kwargs):
-    """Call ``dcp.save``/``dcp.load``; turn torch's BaseException into a typed, catchable error,
-    and (given ``phases``) a collective broken by a rank that stopped into an error naming it
-    (``rank_failure.py``)."""
-    roll_call = RollCall() if phases is not None else None
-    try:
-        return fn(*args, **kwargs)
-    except CheckpointException as exc:
-        raise from_checkpoint_exception(exc, what) from exc.failures[min(exc.failures)][0]
-    except RuntimeError as exc:
-        if roll_call is None or phases is None:
-            raise
-        explained = explain_failure(exc, roll_call, what, phases.now, consequence)
-        if explained is None:
-            raise
-        raise explained from exc
-    finally:
-        if roll_call is not None:
-            roll_call.close()
+__all__ = ["extra_template", "load_state", "open_once"]
 
 
 def extra_template(metadata: Metadata) -> dict:
@@ -69,22 +42,22 @@ def extra_template(metadata: Metadata) -> dict:
     return template.get(EXTRA_SECTION, {})
 
 
-def open_once(checkpoint_id: str | os.PathLike, storage_options: dict | None) -> CheckpointListing:
+def open_once(
+    checkpoint_id: str | os.PathLike, storage_options: dict | None, transport: Transport
+) -> CheckpointListing:
     """Collective: rank 0 reads and checks the checkpoint's small files (the listing,
     ``.metadata``, the manifest) and sends what it found to every rank, instead of every rank
     reading them from storage: one read per load, not one per rank (what a job of thousands
     of ranks asks of one object-store key at once). A failure there (missing, incomplete,
     corrupt) is raised on every rank with its type."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+    if transport.world == 1:
         return open_checkpoint(checkpoint_id, storage_options)
 
     def opened() -> tuple:
         listing = open_checkpoint(checkpoint_id, storage_options)
         return listing.metadata, listing.manifest, listing.files, listing.manifest_file
 
-    metadata, manifest, files, manifest_file = decided(
-        opened, 0, dist.get_rank(), broadcast_over(), f"opening {os.fspath(checkpoint_id)}"
-    )
+    metadata, manifest, files, manifest_file = transport.decided(opened, 0, f"opening {os.fspath(checkpoint_id)}")
     store = open_store(checkpoint_id, storage_options)
     return CheckpointListing(store, metadata, manifest, files=files, manifest_file=manifest_file)
 

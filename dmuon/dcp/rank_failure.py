@@ -16,8 +16,9 @@ host (rank 0, in a job not started by torchrun) is said so.
 
 Cost in the normal path, per rank and operation: a thread with its own store client, one
 blocking wait, one key set and deleted again (the store keeps nothing of a successful
-operation); the operation's key names come from the default group's collective count, the
-same on every rank.
+operation); the operation's key names come from its group's name and collective count, the
+same on every rank of the group, whichever thread runs the operation (an async save's runs
+on its writer thread, over its own group, while training runs collectives on another).
 
 Nothing is committed in any of these cases: the commit needs every rank's write results, and
 ``.metadata`` is written last, by the coordinator, after they all arrived.
@@ -29,6 +30,7 @@ import contextlib
 import os
 import threading
 import time
+from typing import Any
 
 import torch.distributed as dist
 
@@ -45,6 +47,8 @@ _KEY_PREFIX = "dmuon/roll-call"
 
 class RankStoppedError(CheckpointError):
     """One or more ranks stopped (died, or stopped answering) during a save or a load."""
+
+    everywhere = True  # every survivor raises it, in whichever round it is
 
     def __init__(self, message: str, stopped: list[int] | None = None, phase: str = "") -> None:
         super().__init__(message)
@@ -68,18 +72,19 @@ _CALL, _DONE = b"call", b"done"
 class RollCall:
     """Answers a roll call for one checkpoint operation of this rank (see the module docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(self, group: Any = None) -> None:
         self.store = None
-        if not dist.is_initialized() or dist.get_world_size() == 1:
+        if not dist.is_initialized() or dist.get_world_size(group) == 1:
             return
         try:
             self.store = compat.default_store()
-            sequence = compat.collective_count()
+            sequence = compat.collective_count(group)
+            name = getattr(dist.group.WORLD if group is None else group, "group_name", "")
         except Exception:  # a torch or store without them: failures are raised as they come
             self.store = None
             return
-        self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.base = f"{_KEY_PREFIX}/{sequence}"
+        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        self.base = f"{_KEY_PREFIX}/{name}/{sequence}"
         answering = self.store.clone()
         self._thread = threading.Thread(target=self._answer, args=(answering,), name="dmuon-roll-call", daemon=True)
         self._thread.start()

@@ -30,12 +30,14 @@ from .cooperative import assign_readers, cooperative_setting, read_shared, share
 from .errors import CheckpointCorruptError
 from .format.manifest import ItemChecksums
 from .format.tensor_bytes import tensor_memory
+from .group_transport import GroupTransport
 from .host_staging import DeviceUploads
 from .node_identity import this_node
 from .rank_failure import Phases
 from .storage.base import ReadAheadStream, checked_name
 from .storage.registry import is_remote
 from .storage.retry import retrying
+from .transport import Transport
 
 __all__ = ["DMuonStorageReader", "narrow_to"]
 
@@ -85,6 +87,9 @@ class DMuonStorageReader(StorageReader):
         self.cooperative = cooperative
         self.process_group = process_group
         self.phases: Phases | None = None  # told where this rank is (rank_failure.py)
+        #: the rounds of the load this reader is part of (``load_protocol.run_load`` sets it;
+        #: under torch's ``dcp.load``, one over ``process_group`` when an exchange needs it)
+        self.transport: Transport | None = None
         if checkpoint_id is not None:
             self.checkpoint_id = checkpoint_id
 
@@ -150,7 +155,10 @@ class DMuonStorageReader(StorageReader):
             if share is None:
                 self._read_items(plan.items, planner)
             else:
-                read_shared(plan, share, planner, self._read_items, self._stored_dtypes(), self.process_group)
+                transport = self.transport
+                if not isinstance(transport, GroupTransport):
+                    transport = GroupTransport(self.process_group)
+                read_shared(plan, share, planner, self._read_items, self._stored_dtypes(), transport)
         if self.phases is not None:
             self.phases.enter("waiting for the other ranks' reads (its own were done)")
         future: Future = Future()

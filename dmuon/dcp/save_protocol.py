@@ -9,12 +9,12 @@ itself and, when every rank's :class:`~.plan_cache.SavePlanCache` holds the prev
 and this save's plan equals them (a *steady* save), coordinates with two all-reduces of a few
 integers and one of one:
 
-1. all-reduce: did any rank fail to plan; does any rank's plan differ from its cached one; do
-   all ranks hold the same cache token (its maximum and minimum); and the coordinator's new
-   save id (the other ranks offer -1);
+1. all-reduce (``_Planned``, five numbers): did any rank fail to plan; does any rank's plan
+   differ from its cached one; do all ranks hold the same cache token (its maximum and
+   minimum); and the coordinator's new save id (the other ranks offer -1);
 2. each rank writes its data file under the new id's name, its checksums in the file's trailer
    (``format/file_sums.py``): nothing of them travels;
-3. all-reduce: did any rank fail to write, or write items at offsets and sizes other than its
+3. all-reduce (``_Wrote``, two numbers): did any rank fail to write, or write items at offsets and sizes other than its
    previous save's (an object entry that grew);
 4. the coordinator commits (``commit.py``): the cached ``.metadata`` with the new file names and
    a manifest of file sizes; then one all-reduce of one integer: did the commit fail.
@@ -26,15 +26,16 @@ results, all-reduce the outcome. Only the coordinator ever holds the metadata.
 
 The commit protocol does not change: ``.metadata`` is written after every rank reported its
 bytes durable (the writer's file is closed, and fsynced on a local disk, before its rank takes
-part in step 3). A failure on any rank, at any step, is raised on every rank, as torch's
-``CheckpointException`` with every failed rank's error (gathered on that path only), and nothing
-is committed.
+part in step 3). A failure on any rank, at any step, is raised on every rank as one dmuon error
+naming every failed rank and its problem (gathered on that path only: ``transport.py``), and
+nothing is committed. The rounds run over a :class:`~.transport.Transport`: torch's process
+group in a job, N simulated ranks in the scale simulator (``benchmarks/scale_sim.py``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from dataclasses import dataclass
 
 from torch.distributed.checkpoint.planner import SavePlan
 from torch.distributed.checkpoint.storage import WriteResult
@@ -43,8 +44,8 @@ from .. import compat
 from .format.layout import data_file_name
 from .format.manifest import FileStats
 from .plan_cache import SavePlanCache
-from .ranks import Ranks, raise_failures, wrapped
 from .save_planner import DMuonSavePlanner
+from .transport import Attempt, Transport, same
 from .writer import FILE_STATS_KEY, DMuonStorageWriter, new_save_id, plan_storage_data, split_write_results
 
 __all__ = ["run_save"]
@@ -89,57 +90,67 @@ def _renamed_files(rank_files: list[Written], save_id: str, key_prefixes: int) -
     }
 
 
-def run_save(state: dict, writer: DMuonStorageWriter, planner: DMuonSavePlanner, group: Any = None) -> None:
-    """Collective: save ``state`` with dmuon's planner and writer (module docstring)."""
-    ranks = Ranks(group)
+@dataclass(frozen=True)
+class _Planned:
+    """The first round of a save: does any rank's plan differ from its cached one; the cache
+    token every rank holds (None: not all the same); the coordinator's new save id (the other
+    ranks offer -1)."""
+
+    changed: bool = False
+    token: int | None = same()
+    save_id: int = -1
+
+
+@dataclass(frozen=True)
+class _Wrote:
+    """The second round of a steady save: did any rank write another layout than before."""
+
+    changed: bool = False
+
+
+def run_save(state: dict, writer: DMuonStorageWriter, planner: DMuonSavePlanner, transport: Transport) -> None:
+    """Collective over ``transport``: save ``state`` with dmuon's planner and writer (module
+    docstring)."""
     cache = planner.plan_cache
     local: SavePlan | None = None
-    problem: BaseException | None = None
-    try:
-        planner.set_up_planner(state, storage_meta=writer.storage_meta(), is_coordinator=ranks.coordinator)
-        writer.set_up_storage_writer(ranks.coordinator, rank=ranks.rank, use_collectives=True)
+    steady = False
+    with Attempt() as planning:
+        planner.set_up_planner(state, storage_meta=writer.storage_meta(), is_coordinator=transport.coordinator)
+        writer.set_up_storage_writer(transport.coordinator, rank=transport.rank, use_collectives=True)
         local = writer.prepare_local_plan(planner.create_local_plan())
-    except Exception as exc:
-        problem = exc
-    steady = cache is not None and problem is None and cache.reuses_all(local)
-    token = cache.token_number() if cache is not None else -1
-    offered_id = int(new_save_id(), 16) if ranks.coordinator else -1
-    failed, differs, top, neg_bottom, save_id = ranks.max([problem is not None, not steady, token, -token, offered_id])
-    if failed:
-        ranks.raise_everyones(problem, "planning the save failed")
-    if not differs and top == -neg_bottom:
+        steady = cache is not None and cache.reuses_all(local)
+    offer = _Planned(
+        changed=not steady,
+        token=cache.token_number() if cache is not None else -1,
+        save_id=int(new_save_id(), 16) if transport.coordinator else -1,
+    )
+    planned = transport.reduce(offer, planning, "planning")
+    if not planned.changed and planned.token is not None:
         assert cache is not None
-        _steady_save(ranks, writer, planner, cache, f"{save_id:016x}")
+        _steady_save(transport, writer, planner, cache, f"{planned.save_id:016x}")
     else:
         assert local is not None
-        _full_save(ranks, writer, planner, local)
+        _full_save(transport, writer, planner, local)
 
 
 def _steady_save(
-    ranks: Ranks, writer: DMuonStorageWriter, planner: DMuonSavePlanner, cache: SavePlanCache, save_id: str
+    transport: Transport, writer: DMuonStorageWriter, planner: DMuonSavePlanner, cache: SavePlanCache, save_id: str
 ) -> None:
-    problem: BaseException | None = None
     results: list[WriteResult] = []
-    try:
-        final = planner.finish_plan(cache.reused_final(plan_storage_data(ranks.rank, save_id, writer.key_prefixes)))
-        results = writer.write_data(final, planner).wait()
-    except Exception as exc:
-        problem = exc
-    same = problem is None and _written(results) == cache.written
-    failed, changed = ranks.max([problem is not None, not same])
-    if failed:
-        ranks.raise_everyones(problem, "writing the save failed")
-    if changed:  # the coordinator learns the new layout; the plans stand
+    with Attempt() as writing:
+        named = plan_storage_data(transport.rank, save_id, writer.key_prefixes)
+        results = writer.write_data(planner.finish_plan(cache.reused_final(named)), planner).wait()
+    same_layout = writing.error is None and _written(results) == cache.written
+    if transport.reduce(_Wrote(changed=not same_layout), writing, "writing").changed:
+        # the coordinator learns the new layout; the plans stand
         cached = cache.metadata
-        assert cached is not None or not ranks.coordinator
-        _commit_gathered(ranks, writer, cache, results, lambda: dataclasses.replace(cached))  # type: ignore[type-var]
+        assert cached is not None or not transport.coordinator
+        _commit_gathered(transport, writer, cache, results, lambda: dataclasses.replace(cached))  # type: ignore[type-var]
         return
-    if ranks.coordinator:
-        try:
+    with Attempt() as committing:
+        if transport.coordinator:
             _commit_reused(writer, cache, save_id)
-        except Exception as exc:
-            problem = exc
-    ranks.settle(problem, "committing the save failed")
+    transport.settle(committing, "committing")
 
 
 def _commit_reused(writer: DMuonStorageWriter, cache: SavePlanCache, save_id: str) -> None:
@@ -202,52 +213,41 @@ def _repickled(pickled: tuple[bytes, str, str] | None, save_id: str, url: str, f
     return renamed
 
 
-def _full_save(ranks: Ranks, writer: DMuonStorageWriter, planner: DMuonSavePlanner, local: SavePlan) -> None:
-    plans = ranks.gather(local)
-    outgoing: list[Any] | None = None
+def _full_save(transport: Transport, writer: DMuonStorageWriter, planner: DMuonSavePlanner, local: SavePlan) -> None:
     metadata = None
-    if ranks.coordinator:
-        assert plans is not None
-        try:
-            global_plans, metadata = planner.create_global_plan(plans)
-            outgoing = [(None, plan) for plan in writer.prepare_global_plan(global_plans)]
-        except Exception as exc:
-            outgoing = [(wrapped(exc), None)] * ranks.world
-    failure, received = ranks.scatter(outgoing)
-    if failure is not None:
-        raise_failures({0: failure}, "planning the save failed")
-    problem: BaseException | None = None
+
+    def decide(plans: list[SavePlan]) -> list[SavePlan]:
+        nonlocal metadata
+        global_plans, metadata = planner.create_global_plan(plans)
+        return writer.prepare_global_plan(global_plans)
+
+    received = transport.gather_scatter(local, decide, "planning")
     results: list[WriteResult] = []
-    try:
-        final = planner.finish_plan(received)
-        results = writer.write_data(final, planner).wait()
-    except Exception as exc:
-        problem = exc
-    _commit_gathered(ranks, writer, planner.plan_cache, results, lambda: metadata, problem)
+    with Attempt() as writing:
+        results = writer.write_data(planner.finish_plan(received), planner).wait()
+    _commit_gathered(transport, writer, planner.plan_cache, results, lambda: metadata, writing)
 
 
 def _commit_gathered(
-    ranks: Ranks,
+    transport: Transport,
     writer: DMuonStorageWriter,
     cache: SavePlanCache | None,
     results: list[WriteResult],
     metadata_of,
-    problem: BaseException | None = None,
+    writing: Attempt | None = None,
 ) -> None:
-    """Gather every rank's write results (or failure); the coordinator commits; every rank
-    learns the outcome."""
-    everyone = ranks.gather(results if problem is None else None)
-    if ranks.coordinator and problem is None:
-        assert everyone is not None
-        if all(rank_results is not None for rank_results in everyone):  # (else: that rank says why)
-            try:
-                storage_data, files = split_write_results(r for rank_results in everyone for r in rank_results)
-                data = writer.commit_save(metadata_of(), storage_data, files)
-                if cache is not None:
-                    cache.remember_rank_files([_written(rank_results) for rank_results in everyone])
-                    cache.remember_commit(data, writer.save_id or "", _url(writer), files, writer.key_prefixes)
-            except Exception as exc:
-                problem = exc
-    ranks.settle(problem, "the save failed")
+    """Gather every rank's write results (None from a rank whose write failed); the
+    coordinator commits; every rank learns the outcome."""
+    failed = writing is not None and writing.error is not None
+    everyone = transport.gather(None if failed else results)
+    with Attempt() as committing:
+        # (a rank whose write failed says why in the outcome's round)
+        if transport.coordinator and not failed and everyone is not None and None not in everyone:
+            storage_data, files = split_write_results(r for rank_results in everyone for r in rank_results)
+            data = writer.commit_save(metadata_of(), storage_data, files)
+            if cache is not None:
+                cache.remember_rank_files([_written(rank_results) for rank_results in everyone])
+                cache.remember_commit(data, writer.save_id or "", _url(writer), files, writer.key_prefixes)
+    transport.settle(writing if failed else committing, "writing and committing")
     if cache is not None:
         cache.remember_written(_written(results))

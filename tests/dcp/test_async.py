@@ -77,3 +77,38 @@ def test_background_failure_surfaces_on_wait_and_at_next_save(tmp_path):
         assert res["next_save"] and "async save" in res["next_save"]
         assert res["done"]
     assert blocker.read_text() == "x"
+
+
+def same_body_worker(rank, world, root):
+    """What the async save's writer thread runs is the synchronous save's body: a committed
+    checkpoint refused with its own type, the collector paused while it runs."""
+    import gc
+
+    from tests.helpers import faults
+
+    model, opt = build()
+    ddcp.save(model, opt, f"{root}/ckpt")
+    seen = []
+    faults.on_call("DMuonStorageWriter.write_data", lambda: seen.append(gc.isenabled()), this_thread=False)
+    checkpointer = ddcp.AsyncCheckpointer()
+    out = {}
+    try:
+        checkpointer.save(model, opt, f"{root}/ckpt").wait(timeout=60)
+    except ddcp.CheckpointError as exc:
+        out["refused"] = (type(exc).__name__, str(exc), exc.ranks)
+    checkpointer.save(model, opt, f"{root}/other").wait(timeout=60)
+    faults.clear()
+    checkpointer.close()
+    out["collector_in_write"] = seen
+    out["collector_after"] = gc.isenabled()
+    return out
+
+
+def test_the_async_save_runs_the_synchronous_body(tmp_path):
+    for res in run_ranks(same_body_worker, 2, str(tmp_path)):
+        kind, text, ranks = res["refused"]
+        assert kind == "CheckpointExistsError" and ranks == (0,), res["refused"]  # (the coordinator checks)
+        assert text.startswith(f"async save to {tmp_path}/ckpt failed on rank 0 while planning: ")
+        assert "already holds a committed checkpoint" in text
+        assert res["collector_in_write"] == [False]  # the second save wrote with it paused
+        assert res["collector_after"] is True  # and it runs again once the save is over

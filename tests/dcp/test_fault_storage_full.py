@@ -2,7 +2,8 @@
 
 A clear error; the previous checkpoint intact and loadable; nothing partial committed.
 Three real failure paths: the kernel's file-size limit on a local directory (EFBIG), and an
-fsspec filesystem that runs out of space (ENOSPC) or permission (EACCES) part-way.
+fsspec filesystem that runs out of space (ENOSPC) or permission (EACCES) part-way; each for the
+synchronous save and for the async one.
 """
 import os
 
@@ -10,6 +11,7 @@ import pytest
 
 import dmuon
 import dmuon.dcp as ddcp
+from tests.helpers import checkpointers
 from tests.helpers.launch import RankFailed, run_ranks
 from tests.helpers.setup import max_abs_diff
 from tests.helpers.training import build, train
@@ -25,7 +27,7 @@ def first_worker(rank, world, url):
     return dmuon.get_model_state_dict(model)
 
 
-def failing_worker(rank, world, url, limit, failing_rank):
+def failing_worker(rank, world, url, limit, failing_rank, kind):
     import resource
     import signal
 
@@ -40,7 +42,7 @@ def failing_worker(rank, world, url, limit, failing_rank):
             resource.setrlimit(resource.RLIMIT_FSIZE, (20_000, 20_000))
         else:
             os.environ[limit[0]] = str(limit[1])
-    ddcp.save(model, opt, url, overwrite=True)
+    checkpointers.save(kind, model, opt, url, overwrite=True)
 
 
 def load_worker(rank, world, url):
@@ -61,8 +63,9 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("kind", checkpointers.KINDS)
 @pytest.mark.parametrize("case", list(CASES))
-def test_full_or_denied_mid_save_keeps_the_previous_checkpoint(tmp_path, case, reliability_report):
+def test_full_or_denied_mid_save_keeps_the_previous_checkpoint(tmp_path, case, kind, reliability_report):
     scheme, limit, failing_rank, message = CASES[case]
     path = tmp_path / "ckpt"
     url = str(path) if scheme == "local" else f"quota://{path}"
@@ -70,7 +73,7 @@ def test_full_or_denied_mid_save_keeps_the_previous_checkpoint(tmp_path, case, r
     before = set(os.listdir(path))
     commit = (path / ".metadata").read_bytes()
     with pytest.raises(RankFailed, match=message):
-        run_ranks(failing_worker, 2, url, limit, failing_rank, grace=1.0)
+        run_ranks(failing_worker, 2, url, limit, failing_rank, kind, grace=1.0)
     assert (path / ".metadata").read_bytes() == commit  # still the old commit ...
     assert before <= set(os.listdir(path))              # ... with every one of its files
     loaded = run_ranks(load_worker, 2, url)[0]
@@ -78,6 +81,6 @@ def test_full_or_denied_mid_save_keeps_the_previous_checkpoint(tmp_path, case, r
     fresh = tmp_path / "fresh"
     fresh_url = str(fresh) if scheme == "local" else f"quota://{fresh}"
     with pytest.raises(RankFailed, match=message):
-        run_ranks(failing_worker, 2, fresh_url, limit, failing_rank, grace=1.0)
+        run_ranks(failing_worker, 2, fresh_url, limit, failing_rank, kind, grace=1.0)
     assert not (fresh / ".metadata").exists()           # nothing partial was committed
-    reliability_report.setdefault("storage_full_or_denied", {})[case] = "clear error, previous intact"
+    reliability_report.setdefault("storage_full_or_denied", {})[f"{case} ({kind})"] = "clear error, previous intact"

@@ -7,7 +7,7 @@ import os
 import pytest
 
 import dmuon.dcp as ddcp
-from tests.helpers import faults
+from tests.helpers import checkpointers, faults
 from tests.helpers.launch import RankFailed, run_ranks
 from tests.helpers.training import build, train
 
@@ -25,19 +25,30 @@ def dying_worker(rank, world, path, op, qualname, victim):
         ddcp.save(model, opt, path)
         dist.barrier()
     if rank == victim:
-        faults.on_call(qualname, faults.sigkill)
-    (ddcp.save if op == "save" else ddcp.load)(model, opt, path)
+        faults.on_call(qualname, faults.sigkill)  # (also in an async save's writer thread)
+    if op == "load":
+        ddcp.load(model, opt, path)
+    else:
+        checkpointers.save(op, model, opt, path)
 
 
-@pytest.mark.parametrize("op,qualname,victim,phase,agent_store", [
-    ("save", "DMuonSavePlanner.create_local_plan", 3, "planning", True),
-    ("save", "DMuonStorageWriter._write_file", 5, "waiting for the other ranks' writes", True),
-    ("save", "DMuonStorageWriter.commit_bytes", 0, "waiting for the other ranks' writes", True),
-    ("save", "DMuonStorageWriter.commit_bytes", 0, "waiting for the other ranks' writes", False),
-    ("load", "DMuonStorageReader._read_items", 6, "waiting for the other ranks' reads", True),
-], ids=["save-planning", "save-writing", "save-commit-rank0", "save-commit-rank0-hosting-the-store", "load-reading"])
+CASES = {
+    "save-planning": ("DMuonSavePlanner.create_local_plan", 3, "planning", True),
+    "save-writing": ("DMuonStorageWriter._write_file", 5, "waiting for the other ranks' writes", True),
+    "save-commit-rank0": ("DMuonStorageWriter.commit_bytes", 0, "waiting for the other ranks' writes", True),
+    "save-commit-rank0-hosting-the-store": (
+        "DMuonStorageWriter.commit_bytes", 0, "waiting for the other ranks' writes", False),
+    "load-reading": ("DMuonStorageReader._read_items", 6, "waiting for the other ranks' reads", True),
+}
+PARAMS = [pytest.param("load" if case.startswith("load") else kind, *CASES[case], id=f"{kind}-{case}")
+          for case in CASES for kind in (("sync",) if case.startswith("load") else checkpointers.KINDS)]
+
+
+@pytest.mark.parametrize("op,qualname,victim,phase,agent_store", PARAMS)
 def test_the_others_name_the_rank_that_died_and_the_phase(tmp_path, op, qualname, victim, phase, agent_store):
-    """As torchrun runs a job (the store in its agent), and rank 0 hosting the store itself."""
+    """As torchrun runs a job (the store in its agent), and rank 0 hosting the store itself;
+    every save case for the synchronous save and for the async one (its writer thread runs
+    the rounds over its own process group)."""
     path = str(tmp_path / "ckpt")
     with pytest.raises(RankFailed) as info:  # the victim's death fails the job...
         run_ranks(dying_worker, WORLD, path, op, qualname, victim, timeout=120, grace=60,
@@ -56,7 +67,7 @@ def test_the_others_name_the_rank_that_died_and_the_phase(tmp_path, op, qualname
         named = f"rank {victim} stopped while this rank was {phase}"
         assert text.count(f"rank {victim} stopped while this rank was") >= len(survivors), text
     assert phase in text and named.split(",")[0] in text, text
-    if op == "save":
+    if op != "load":
         assert not os.path.exists(os.path.join(path, ".metadata"))  # nothing committed
 
 

@@ -29,11 +29,11 @@ from dataclasses import dataclass
 from torch import nn
 
 from ...optim.muon import Muon
-from ..agreement import decided
 from ..checkpointer import Checkpointer
 from ..deprecation import renamed, renamed_argument
 from ..errors import StorageError
 from ..manager import CheckpointManager
+from ..transport import lowest
 from .background import BackgroundWork
 from .local import CommitCopy, LocalTier
 from .nodes import NodeLayout, TierGroups, discover_nodes
@@ -220,14 +220,12 @@ class TieredCheckpointManager:
         path = self.local.step_dir(step)
         if self.layout.is_leader:
             self.local.prepare_step_dir(step)
-        self.groups.barrier()
+        self.groups.control.barrier()
         os.makedirs(path, exist_ok=True)
         self.checkpointer.save(model, optimizer, path, extra=extra, overwrite=True)
-        copy = decided(
+        copy = self.groups.control.decided(
             lambda: self.local.read_commit_copy(path),
             0,
-            self.groups.rank,
-            self.groups.broadcast,
             f"{path}: step {step} committed, but its commit cannot be read back",
             StorageError,
         )
@@ -285,12 +283,12 @@ class TieredCheckpointManager:
         left = math.inf
         if self.preemption.requested and self.preemption_deadline_s is not None:
             left = self.preemption_deadline_s - self.preemption.seconds_since()
-        flag, minus_left, estimate = self.groups.all_reduce_max(
-            [float(self.preemption.requested), -left, self.last_save_seconds or 0.0]
+        notice = self.groups.control.reduce(
+            _Notice(self.preemption.requested, left, self.last_save_seconds or 0.0), None, "the step boundary"
         )
-        if not flag:
+        if not notice.requested:
             return False
-        left = -minus_left
+        left, estimate = notice.left, notice.last_save_seconds
         previous = self.last_saved_step
         took = None
         if step == self.last_saved_step:
@@ -307,8 +305,8 @@ class TieredCheckpointManager:
         spent = time.monotonic() - boundary
         replicated = self.background.wait(None if math.isinf(left) else max(0.0, left - spent))
         # every rank reports the same: the slowest rank's save, replicated only where all are
-        slowest, not_replicated = self.groups.all_reduce_max([took or 0.0, float(not replicated)])
-        replicated = not not_replicated
+        outcome = self.groups.control.reduce(_Saved(took or 0.0, not replicated), None, "the preemption save")
+        slowest, replicated = outcome.slowest, not outcome.not_replicated
         if took is not None:
             how = f"step {step} saved to the local tier in {slowest:.1f} s"
         if saved and len(self.layout.nodes) > 1 and self.replicate:
@@ -318,6 +316,25 @@ class TieredCheckpointManager:
             print(f"dmuon: {message}", file=sys.stderr, flush=True)
         self.last_preemption = PreemptionReport(step, saved, replicated, left, message)
         return True
+
+
+@dataclass(frozen=True)
+class _Notice:
+    """The step boundary's one round: did any rank get a preemption notice; the least time left
+    before any rank's deadline; the slowest rank's last local save (the estimate of this one)."""
+
+    requested: bool = False
+    left: float = lowest(math.inf)
+    last_save_seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class _Saved:
+    """After a preemption save: the slowest rank's save, and whether any rank's replication did
+    not finish in time (every rank then reports the same)."""
+
+    slowest: float = 0.0
+    not_replicated: bool = False
 
 
 def _time_left(left: float) -> str:

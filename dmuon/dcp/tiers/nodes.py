@@ -5,10 +5,10 @@ machine. torchrun says so in ``GROUP_RANK`` (the node's rank in the job); withou
 on one host are one node. Nodes form a ring in the order of their ids: each node replicates
 its files to the next one, each rank to the rank with the same position on that node.
 
-:class:`TierGroups` holds two gloo groups of the job's ranks, both created at once by every
-rank (a collective): ``control`` for the main thread's few small collectives (agreeing on a
-restore, on a preemption, sharing a manifest) and ``background`` for the replication and
-promotion thread, so the two never interleave on one group, and neither touches the training
+:class:`TierGroups` holds two transports (``transport.py``), each over a gloo group of the job's
+ranks, both created at once by every rank (a collective): ``control`` for the main thread's few
+small rounds (agreeing on a restore, on a preemption, sharing a manifest) and ``background``
+for the replication and promotion thread, so the two never interleave on one group, and neither touches the training
 group (which may be NCCL: the tiers move CPU bytes).
 """
 
@@ -18,10 +18,11 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, cast
 
-import torch
 import torch.distributed as dist
 
+from ..group_transport import GroupTransport, SingleProcess
 from ..node_identity import this_node
+from ..transport import Transport
 
 __all__ = ["NodeLayout", "TierGroups", "discover_nodes"]
 
@@ -72,52 +73,26 @@ class NodeLayout:
 
 
 class TierGroups:
-    """The tiers' own gloo groups (see the module docstring); a no-op without a process group."""
+    """The tiers' two transports, each over a gloo group of its own (see the module docstring);
+    single-process transports without a process group."""
 
     def __init__(self, timeout: timedelta | None = None) -> None:
-        self.distributed = dist.is_available() and dist.is_initialized()
-        self.rank = dist.get_rank() if self.distributed else 0
-        self.world_size = dist.get_world_size() if self.distributed else 1
+        distributed = dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank() if distributed else 0
+        self.world_size = dist.get_world_size() if distributed else 1
         kwargs: dict[str, Any] = {"backend": "gloo"}
         if timeout is not None:
             kwargs["timeout"] = timeout
         # every rank is a member of both groups (torch 2.14 types new_group's result as
         # ProcessGroup | NON_GROUP_MEMBER, which only a non-member gets)
-        self.control: dist.ProcessGroup | None = (
-            cast(dist.ProcessGroup, dist.new_group(**kwargs)) if self.distributed else None
-        )
-        self.background: dist.ProcessGroup | None = (
-            cast(dist.ProcessGroup, dist.new_group(**kwargs)) if self.distributed else None
-        )
+        self.control: Transport = self._transport(distributed, kwargs)
+        self.background: Transport = self._transport(distributed, kwargs)
 
-    def all_gather(self, obj: Any, *, background: bool = False) -> list[Any]:
-        if not self.distributed:
-            return [obj]
-        out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=self._group(background))
-        return out
-
-    def broadcast(self, obj: Any, src: int, *, background: bool = False) -> Any:
-        if not self.distributed:
-            return obj
-        box = [obj if self.rank == src else None]
-        dist.broadcast_object_list(box, src=src, group=self._group(background))
-        return box[0]
-
-    def all_reduce_max(self, values: list[float]) -> list[float]:
-        """Element-wise maximum over ranks, in one small collective (main thread)."""
-        if not self.distributed:
-            return list(values)
-        tensor = torch.tensor(values, dtype=torch.float64)
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.control)
-        return tensor.tolist()
-
-    def barrier(self, *, background: bool = False) -> None:
-        if self.distributed:
-            dist.barrier(group=self._group(background))
-
-    def _group(self, background: bool):
-        return self.background if background else self.control
+    @staticmethod
+    def _transport(distributed: bool, kwargs: dict[str, Any]) -> Transport:
+        if not distributed:
+            return SingleProcess()
+        return GroupTransport(cast(dist.ProcessGroup, dist.new_group(**kwargs)))
 
 
 def discover_nodes(groups: TierGroups, node_rank: int | None = None) -> NodeLayout:
@@ -125,7 +100,7 @@ def discover_nodes(groups: TierGroups, node_rank: int | None = None) -> NodeLayo
     ``GROUP_RANK``, else its host (ranks on one host are one node). Nodes with unequal rank
     counts are refused when replicating needs a partner for every rank."""
     mine: Any = node_rank if node_rank is not None else this_node()
-    gathered = groups.all_gather(mine)
+    gathered = groups.control.share(mine)
     if all(isinstance(n, int) for n in gathered):
         node_of_rank = tuple(int(n) for n in gathered)
     elif any(isinstance(n, int) for n in gathered):

@@ -12,12 +12,10 @@ checkpoint the newest one there.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import os
 from typing import BinaryIO
 
-from ..agreement import agree, decided
 from ..commit import commit
 from ..errors import CheckpointCorruptError, CheckpointExistsError, StorageError
 from ..format.file_sums import read_file_sums
@@ -28,6 +26,7 @@ from ..manager import CheckpointManager
 from ..storage.base import Store
 from ..storage.registry import open_store
 from ..storage.retry import retrying
+from ..transport import Attempt
 from .local import CommitCopy, LocalTier
 from .nodes import NodeLayout, TierGroups
 
@@ -91,23 +90,15 @@ def promote_step(
         return True
 
     where = f"promoting step {step} to {store.url}"
-    broadcast = functools.partial(groups.broadcast, background=True)
-    if not decided(start, 0, layout.rank, broadcast, where, StorageError):
+    transport = groups.background
+    if not transport.decided(start, 0, where, StorageError):
         return False
     manifest = copy.manifest()
     mine = data_file_name(layout.rank, manifest.save_id)
-    problem: Exception | None = None
-    if mine in manifest.files:
-        try:
+    with Attempt() as uploading:
+        if mine in manifest.files:
             _upload(store, os.path.join(tier.step_dir(step), mine), mine, manifest)
-        except Exception as exc:
-            problem = exc
-    agree(
-        problem,
-        functools.partial(groups.all_gather, background=True),
-        f"{where} failed (not committed)",
-        StorageError,
-    )
+    transport.settle(uploading, f"{where} failed (not committed)", StorageError)
 
     def commit_here() -> None:
         try:
@@ -119,5 +110,5 @@ def promote_step(
         except Exception as exc:  # committed all the same: retention runs again next time
             log.warning("promoted step %d, but retention in %s failed: %s", step, persistent.root, exc)
 
-    decided(commit_here, 0, layout.rank, broadcast, f"{where}: the commit failed", StorageError)
+    transport.decided(commit_here, 0, f"{where}: the commit failed", StorageError)
     return True

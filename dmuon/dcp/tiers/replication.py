@@ -13,10 +13,8 @@ manifest and ``.metadata`` beside them.
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 
-from ..agreement import agree
 from ..errors import StorageError
 from ..format.layout import data_file_name
 from ..format.verified_read import verify_stream
@@ -51,16 +49,11 @@ def replicate_step(
     if theirs in manifest.files:
         size = manifest.files[theirs].size
         recv = Incoming(source, tier.incoming_path(source_dir, theirs), [(0, size)], size)
-    exchange(groups.background, send, recv, chunk_bytes)
+    exchange(groups.background.group, send, recv, chunk_bytes)
     problem = send.error if send is not None else None
     if recv is not None:
         problem = problem or _settle(recv, theirs, commit)
-    agree(
-        problem,
-        functools.partial(groups.all_gather, background=True),
-        f"replicating step {step} to the next node failed",
-        StorageError,
-    )
+    groups.background.settle(problem, f"replicating step {step} to the next node failed", StorageError)
     if layout.is_leader:
         LocalTier.write_commit_copy(source_dir, commit)
     return recv.bytes_received if recv is not None else 0

@@ -30,7 +30,6 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from ...optim.muon import Muon
 from .. import api
-from ..agreement import agree, decided
 from ..errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -201,11 +200,9 @@ def _restore_local(ctx: TierContext, candidate: Candidate, held: Holdings, model
     assert candidate.commit_node is not None and candidate.save_id is not None
     source = layout.leader(candidate.commit_node)
     key = (step, candidate.save_id)
-    copy = decided(
+    copy = groups.control.decided(
         lambda: tier.read_commit_copy(held.commit_dirs[key]),
         source,
-        layout.rank,
-        groups.broadcast,
         f"step {step}: the commit on node {candidate.commit_node} is unreadable",
         CheckpointCorruptError,
     )
@@ -215,37 +212,37 @@ def _restore_local(ctx: TierContext, candidate: Candidate, held: Holdings, model
         reads = planned_reads(model, optimizer, metadata, ctx.cast_dtypes)
     except CheckpointError as exc:  # a wrong model: every rank finds the same problems
         reads, mine = {}, exc
-    agree(mine, groups.all_gather, f"step {step} does not fit the model", CheckpointMismatchError)
+    groups.control.settle(mine, f"step {step} does not fit the model", CheckpointMismatchError)
     manifest = copy.manifest()
     trailers = {
         name: (stats.sums_at, stats.size - stats.sums_at)
         for name, stats in manifest.files.items()
         if stats.sums_at is not None
     }
-    fetches = _plan_fetches(candidate, layout, groups.all_gather(reads), trailers)
+    fetches = _plan_fetches(candidate, layout, groups.control.share(reads), trailers)
     view = tier.view_dir()
     if layout.is_leader:
         _build_view(view, candidate, held, copy)
-    groups.barrier()
+    groups.control.barrier()
     try:
         problem = None
         for fetch in fetches:
             if layout.rank == fetch.src:
                 out = Outgoing(fetch.dst, held.paths[(step, fetch.name)], fetch.ranges)
-                exchange(groups.control, send=out, chunk_bytes=ctx.chunk_bytes)
+                exchange(groups.control.group, send=out, chunk_bytes=ctx.chunk_bytes)
                 problem = problem or out.error
             elif layout.rank == fetch.dst:
                 inc = Incoming(fetch.src, os.path.join(view, fetch.name), fetch.ranges, fetch.size)
-                exchange(groups.control, recv=inc, chunk_bytes=ctx.chunk_bytes)
+                exchange(groups.control.group, recv=inc, chunk_bytes=ctx.chunk_bytes)
                 report.fetched_bytes += inc.bytes_received
                 problem = problem or inc.error
-        agree(problem, groups.all_gather, f"step {step}: fetching from other nodes failed", CheckpointIncompleteError)
+        groups.control.settle(problem, f"step {step}: fetching from other nodes failed", CheckpointIncompleteError)
         # each rank reads its own plan from its node's view: a cooperative load would have one
         # rank read a region for others on other nodes, sending over the network bytes that
         # are already on their own disks (it pays off against object storage, not here)
         return api.load(model, optimizer, view, cooperative=False, cast_dtypes=ctx.cast_dtypes)
     finally:
-        groups.barrier()
+        groups.control.barrier()
         if layout.is_leader:
             shutil.rmtree(view, ignore_errors=True)
 
@@ -257,7 +254,7 @@ def restore(ctx: TierContext, model: nn.Module, optimizer: Muon | None) -> tuple
     groups, layout = ctx.groups, ctx.layout
     held = ctx.tier.holdings(layout.node)
     summaries: dict[int, Holdings] = {}
-    for summary in groups.all_gather(held.summary()):
+    for summary in groups.control.share(held.summary()):
         summaries.setdefault(summary.node, summary)
     persistent_steps: list[int] = []
     if layout.rank == 0 and ctx.persistent is not None:
@@ -265,7 +262,7 @@ def restore(ctx: TierContext, model: nn.Module, optimizer: Muon | None) -> tuple
             persistent_steps = ctx.persistent.steps()
         except (CheckpointError, OSError) as exc:  # the local tier may still do
             log.warning("listing the persistent tier %s failed: %s", ctx.persistent.root, exc)
-    persistent_steps = groups.broadcast(persistent_steps, 0)
+    persistent_steps = groups.control.broadcast(persistent_steps, 0)
     report = RestoreReport()
     for candidate in choose_candidates(list(summaries.values()), persistent_steps):
         try:
