@@ -33,6 +33,7 @@ from scale_sim_state import Call, pickled_size
 
 from dmuon.dcp import save_protocol
 from dmuon.dcp.cooperative import share_of
+from dmuon.dcp.plan_cache import Committed
 from dmuon.dcp.writer import new_save_id, plan_storage_data, split_write_results
 
 SAVE_AGREE, WRITE_AGREE, OUTCOME_AGREE, LOAD_AGREE, READ_AGREE = 5, 2, 1, 5, 1  # int64 per all-reduce
@@ -84,16 +85,18 @@ def simulate_dmuon_save(world: SimulatedWorld, planner: Callable[[int], Any], wr
 def _steady(world, phase, clock, planners, writers, caches, save_id: str) -> None:
     for rank in range(world.world):  # each rank writes under the new id
         world.rank = rank
-        named = plan_storage_data(rank, save_id, *_prefixes(writers[rank]))
+        file = caches[rank].written.file
+        named = plan_storage_data(rank, save_id, *_prefixes(writers[rank]), file.name if file else None)
         final = planners[rank].finish_plan(caches[rank].reused_final(named))
         writers[rank].save_id = save_id  # (write_data takes it from the plan)
-        if save_protocol._written(dmuon_results(rank, final)) != caches[rank].written:
+        if save_protocol._written(dmuon_results(rank, final), *_prefixes(writers[rank])) != caches[rank].written:
             raise SimulatorGap(f"rank {rank} wrote another layout in a steady save: the simulator "
                                "models the gathered commit of that case only in the full rounds")
     world.rank = 0
     _all_reduce(phase, WRITE_AGREE)
     with clock.coordinator():
-        save_protocol._commit_reused(writers[0], caches[0], save_id)
+        committed = caches[0].reused_commit()
+        writers[0].commit_bytes(committed.metadata_bytes, committed.files)
     _all_reduce(phase, OUTCOME_AGREE)
 
 
@@ -116,7 +119,7 @@ def _full(world, phase, clock, planners, writers, caches, local) -> None:
         final = planners[rank].finish_plan(received)
         writers[rank].save_id = final.storage_data["save_id"]
         mine = dmuon_results(rank, final)
-        written.append(save_protocol._written(mine))
+        written.append(save_protocol._written(mine, *_prefixes(writers[rank])))
         results.append(pickle.dumps(mine))
     del outgoing
     world.rank = 0
@@ -125,9 +128,7 @@ def _full(world, phase, clock, planners, writers, caches, local) -> None:
         everyone = [pickle.loads(b) for b in results]
         storage_data, files = split_write_results(r for rank_results in everyone for r in rank_results)
         data = writers[0].commit_save(metadata, storage_data, files)
-        caches[0].remember_rank_files([save_protocol._written(rank_results) for rank_results in everyone])
-        caches[0].remember_commit(data, writers[0].save_id, save_protocol._url(writers[0]), files,
-                                  getattr(writers[0], "key_prefixes", 0))
+        caches[0].remember_commit(Committed(data, files))
     _all_reduce(phase, OUTCOME_AGREE)
     for cache, mine in zip(caches, written):
         cache.remember_written(mine)

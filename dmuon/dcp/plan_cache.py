@@ -29,12 +29,43 @@ import dataclasses
 import uuid
 from dataclasses import dataclass
 
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan
 
 from .errors import PlanCacheError
+from .format.manifest import FileStats
 
-__all__ = ["CachedSavePlan", "SavePlanCache", "same_plan"]
+__all__ = ["CachedSavePlan", "Committed", "SavePlanCache", "Written", "WrittenFile", "same_plan"]
+
+
+@dataclass(frozen=True)
+class WrittenFile:
+    """A rank's data file as a save left it: its name, size and where its trailer starts."""
+
+    name: str
+    size: int
+    sums_at: int | None
+
+
+@dataclass(frozen=True)
+class Written:
+    """What one rank's save wrote, as the next save compares it: its items ``(index, offset,
+    length)``, its data file (None: it wrote none), and the key-prefix setting it was named
+    with."""
+
+    items: tuple[tuple[MetadataIndex, int, int], ...]
+    file: WrittenFile | None
+    key_prefixes: int
+
+
+@dataclass(frozen=True)
+class Committed:
+    """Coordinator: the last commit, as a steady save commits it again: the ``.metadata`` bytes
+    (nothing in them changes from one save of the layout to the next: the data files keep their
+    names, and no URL or save id is pickled) and every data file's stats."""
+
+    metadata_bytes: bytes
+    files: dict[str, FileStats]
 
 
 @dataclass(frozen=True)
@@ -80,22 +111,17 @@ class SavePlanCache:
     local_hits: int = 0
     global_hits: int = 0
 
-    # what the previous save wrote: this rank's items (index, offset, length) and its data
-    # file's (size, trailer offset), to tell whether this save wrote the same layout
-    written: tuple | None = None
-    # coordinator only: every rank's, to commit a save that wrote the same without asking
-    rank_files: list[tuple[tuple, tuple[int, int | None] | None]] | None = None
-    # coordinator only: the previous commit's .metadata bytes, its save id and URL; and its
-    # data files (name -> stats) with the key-prefix setting they were named with
-    pickled: tuple[bytes, str, str] | None = None
-    last_files: tuple[dict, int] | None = None
+    #: what this rank's previous save wrote, to tell whether this save wrote the same layout
+    written: Written | None = None
+    #: coordinator only: the previous commit, to commit a save that wrote the same without asking
+    committed: Committed | None = None
 
     def clear(self) -> None:
         self.token = None
         self.local_plan = self.final_plan = None
         self.all_local_plans = self.global_plans = None
         self.metadata = None
-        self.written = self.rank_files = self.pickled = self.last_files = None
+        self.written = self.committed = None
 
     # --- a save with no gather (save_protocol.py) ------------------------------------------------
     def token_number(self) -> int:
@@ -119,25 +145,25 @@ class SavePlanCache:
         assert self.token is not None
         return dataclasses.replace(_marker(self.token, self.token), storage_data=storage_data)
 
-    def remember_written(self, written: tuple) -> None:
+    def remember_written(self, written: Written) -> None:
         self.written = written
 
-    def remember_rank_files(self, rank_files: list[tuple[tuple, tuple[int, int | None] | None]]) -> None:
-        self.rank_files = rank_files
-        self.pickled = self.last_files = None
+    def remember_commit(self, committed: Committed) -> None:
+        """Coordinator: the commit just made."""
+        self.committed = committed
 
-    def remember_commit(self, metadata_bytes: bytes, save_id: str, url: str, files: dict, key_prefixes: int) -> None:
-        """Coordinator: the ``.metadata`` bytes just committed, the save id and URL in them, and
-        the data files of that save."""
-        self.pickled = (metadata_bytes, save_id, url)
-        self.last_files = (files, key_prefixes)
-
-    def reused_commit(self) -> tuple[Metadata, list[tuple[tuple, tuple[int, int | None] | None]]]:
-        """Coordinator: the metadata and every rank's items and file of the cached layout."""
-        if self.metadata is None or self.rank_files is None:
+    def reused_commit(self) -> Committed:
+        """Coordinator: the previous commit, for a save that wrote the same."""
+        if self.committed is None:
             raise PlanCacheError("the coordinator's SavePlanCache holds no committed layout; clear() it on every rank")
         self.global_hits += 1
-        return dataclasses.replace(self.metadata), self.rank_files
+        return self.committed
+
+    def can_commit_again(self, existing: set[str]) -> bool:
+        """Coordinator: can a steady save commit the previous commit's bytes again, into a
+        directory that holds the files ``existing``? Not where one of its data files is there
+        (the same directory saved again: the new files would overwrite a committed save's)."""
+        return self.committed is not None and existing.isdisjoint(self.committed.files)
 
     # --- every rank -----------------------------------------------------------------------------
     def offer_local(self, plan: SavePlan) -> SavePlan:

@@ -48,14 +48,16 @@ FILE_STATS_KEY = "__dmuon_file_stats__"
 
 
 def new_save_id() -> str:
-    """A save's random id: 16 hex digits of 62 random bits (every save's files get new names;
-    the number fits the signed 64-bit integer a save's all-reduce carries it in)."""
+    """A save's random id: 16 hex digits of 62 random bits (a first save's files are named with
+    it; the number fits the signed 64-bit integer a save's all-reduce carries it in)."""
     return f"{secrets.randbits(62):016x}"
 
 
-def plan_storage_data(rank: int, save_id: str, key_prefixes: int = 0) -> dict[str, str]:
-    """What a rank's final save plan tells this writer: the save and the rank's data file."""
-    return {"save_id": save_id, "file": data_file_name(rank, save_id, key_prefixes)}
+def plan_storage_data(rank: int, save_id: str, key_prefixes: int = 0, file: str | None = None) -> dict[str, str]:
+    """What a rank's final save plan tells this writer: the save, and the rank's data file
+    (``file``: a name the rank wrote before, which a steady save keeps; else one of this save's
+    id)."""
+    return {"save_id": save_id, "file": file or data_file_name(rank, save_id, key_prefixes)}
 
 
 def split_write_results(results) -> tuple[dict[MetadataIndex, Any], dict[str, FileStats]]:
@@ -223,9 +225,11 @@ class DMuonStorageWriter(StorageWriter):
         self.is_coordinator = is_coordinator
         self.rank = kwargs.get("rank", current_rank())
         self._replaced: set[str] = set()
+        self.existing: set[str] = set()  # (coordinator) the directory's files before this save
         if is_coordinator:
             store.makedirs()
             files = store.list()
+            self.existing = set(files)
             self._replaced = files_of_committed_saves(store, files)
             if not self.overwrite and METADATA in files:
                 raise CheckpointExistsError(
@@ -304,10 +308,11 @@ class DMuonStorageWriter(StorageWriter):
     def commit_save(self, metadata: Metadata, storage_data: dict, files: dict[str, FileStats]) -> bytes:
         """Coordinator: write the manifest and ``.metadata`` of this save, whose items lie
         where ``storage_data`` says, in ``files`` (``commit.py``); the ``.metadata`` bytes."""
-        store = self._store()
         metadata.version = compat.CURRENT_DCP_VERSION  # what torch's own writers record
         metadata.storage_data = storage_data
-        metadata.storage_meta = StorageMeta(checkpoint_id=str(store.url), save_id=self._commit_id())
+        # no URL and no save id (the manifest has it): the bytes stay those of every later save
+        # of this layout (plan_cache.Committed); torch's readers fill in a StorageMeta of their own
+        metadata.storage_meta = None
         metadata_bytes = pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)
         self.commit_bytes(metadata_bytes, files)
         return metadata_bytes

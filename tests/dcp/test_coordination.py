@@ -112,35 +112,51 @@ def test_a_steady_save_and_a_load_gather_nothing_and_stay_readable_by_torch(tmp_
     assert os.path.exists(tmp_path / "grown" / ".metadata")
 
 
-def test_the_coordinator_renames_the_pickled_metadata_or_pickles_it_afresh():
-    """A steady save's .metadata: the previous bytes with the new save id and URL, unpickling to
-    exactly what pickling the renamed metadata gives; where lengths or counts differ, None."""
-    from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+def again_worker(rank, world, root):
+    model, opt = build()
+    checkpointer = ddcp.Checkpointer()
+    log: list = []
+    checkpointer.save(model, opt, f"{root}/a")
+    train(model, opt, rank, world, range(1))
+    _count_collectives(log)
+    checkpointer.save(model, opt, f"{root}/a", overwrite=True)  # the same directory: new names
+    again = list(log)
+    log.clear()
+    checkpointer.save(model, opt, f"{root}/b")  # a new one: steady, with the names of a's last save
+    steady = list(log)
+    expected = dmuon.get_model_state_dict(model, rank0_only=False)
+    diffs = []
+    for name in ("a", "b"):
+        fresh, fresh_opt = build()
+        checkpointer.load(fresh, fresh_opt, f"{root}/{name}")
+        diffs.append(max_abs_diff(dmuon.get_model_state_dict(fresh, rank0_only=False), expected))
+    return {"again": _names(again), "steady": _names(steady), "diffs": diffs}
 
-    from dmuon import compat
-    from dmuon.dcp.save_protocol import _renamed, _repickled
 
-    rank_files = [(tuple((MetadataIndex(f"w{rank}.{k}"), 100 * k, 100) for k in range(3)), (400, 300))
-                  for rank in range(3)]
+def test_a_steady_save_commits_the_same_metadata_bytes_and_never_overwrites_a_commit(tmp_path):
+    """A steady save keeps its files' names, so its .metadata is the previous commit's bytes,
+    unedited (no URL or save id is pickled: the manifest and each file's trailer name the save);
+    saving the same directory again names the files afresh, so no file of the committed save is
+    written over."""
+    from dmuon.dcp.format.layout import METADATA
 
-    def metadata(save_id, url):
-        storage_data, files = _renamed(rank_files, save_id, 4)
-        md = Metadata(state_dict_metadata={}, storage_data=storage_data,
-                      storage_meta=StorageMeta(checkpoint_id=url, save_id=save_id))
-        return md, files
-
-    old, files = metadata("0123456789abcdef", "s3://b/run/step-100")
-    data = pickle.dumps(old, protocol=pickle.HIGHEST_PROTOCOL)
-    renamed = _repickled((data, "0123456789abcdef", "s3://b/run/step-100"), "fedcba9876543210", "s3://b/run/step-200",
-                         len(files))
-    new, _ = metadata("fedcba9876543210", "s3://b/run/step-200")
-    got = pickle.loads(renamed)
-    assert got.storage_data == new.storage_data and got.storage_meta == new.storage_meta
-    assert all(isinstance(info, compat.StorageInfo) for info in got.storage_data.values())
-    assert _repickled((data, "0123456789abcdef", "s3://b/run/step-100"), "fedcba9876543210", "s3://b/run/step-1000",
-                      len(files)) is None  # a URL of another length: pickled afresh
-    assert _repickled((data, "0123456789abcdef", "s3://b/run/step-100"), "fedcba9876543210", "s3://b/run/step-200",
-                      len(files) + 1) is None  # not the expected count: pickled afresh
+    results = run_ranks(counted_worker, 2, str(tmp_path / "counted"))
+    first, steady = (open_checkpoint(str(tmp_path / "counted" / name)) for name in ("first", "steady"))
+    assert (tmp_path / "counted" / "first" / METADATA).read_bytes() == (
+        tmp_path / "counted" / "steady" / METADATA).read_bytes()
+    assert set(first.manifest.files) == set(steady.manifest.files)  # the same names, other directories
+    assert first.manifest.save_id != steady.manifest.save_id
+    assert steady.metadata.storage_meta is None or steady.metadata.storage_meta.checkpoint_id is None
+    assert results[0]["hits"] == 1
+    results = run_ranks(again_worker, 2, str(tmp_path / "again"))
+    a, b = (open_checkpoint(str(tmp_path / "again" / name)) for name in ("a", "b"))
+    for result in results:
+        assert "gather_object" in result["again"]  # not steady: the names had to change
+        assert result["steady"] == ["all_reduce"] * 3
+        assert result["diffs"] == [0.0, 0.0]
+    assert set(a.manifest.files) == set(b.manifest.files)
+    assert sorted(p.name for p in (tmp_path / "again" / "a").glob("*.distcp")) == sorted(a.manifest.files)
+    assert a.verify_files() == [] and b.verify_files() == []
 
 
 def replica_plans_worker(rank, world, root):

@@ -48,16 +48,19 @@ def test_repeated_saves_reuse_plans_and_each_loads_bit_exactly(tmp_path):
     for extra_and_diff in results[0]["diffs"]:
         assert extra_and_diff[1] == 0.0
     assert [extra for extra, _ in results[0]["diffs"]] == [{"step": 0}, {"step": 1}, {"step": 2}]
-    # each save's metadata names its own data files only, and every one of them exists
+    # each save's metadata names data files of its own directory, and every one of them exists;
+    # the steady saves keep the first save's names (in their own directories), each its own id
     from dmuon.dcp.checkpoint import open_checkpoint
 
-    names = []
+    names, ids = [], set()
     for i in range(3):
-        metadata = open_checkpoint(str(tmp_path / f"step{i}")).metadata
-        files = {info.relative_path for info in metadata.storage_data.values()}
+        listing = open_checkpoint(str(tmp_path / f"step{i}"))
+        files = {info.relative_path for info in listing.metadata.storage_data.values()}
         assert all(rank_of_data_file(name) is not None and (tmp_path / f"step{i}" / name).exists() for name in files)
+        assert listing.verify_files() == []  # each file's trailer names its own save
         names.append(files)
-    assert not (names[0] & names[1]) and not (names[1] & names[2])
+        ids.add(listing.manifest.save_id)
+    assert names[0] == names[1] == names[2] and len(ids) == 3
 
 
 def dtype_change_worker(rank, world, root):

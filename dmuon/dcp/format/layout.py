@@ -25,7 +25,11 @@ A dmuon checkpoint is a standard DCP checkpoint, one directory (or object-store 
     a file being put atomically (written, then renamed or linked into place; the name is the
     store's, ``storage.base.temp_name``).
 
-The save id is random per save: files of a new save never overwrite a committed one.
+The save id is random per save and names the manifest. A data file's name carries the id of
+the save that first wrote its layout: a later save of the same layout (the plan cache's steady
+save) keeps the names, so its ``.metadata`` is the same bytes, in another directory; a save into
+a directory that holds files of those names names its files with its own id, so files of a new
+save never overwrite a committed one. Each file's trailer names the save that wrote it.
 
 State-dict keys, after DCP's flattening of an ``AppState``:
 
@@ -71,6 +75,7 @@ __all__ = [
     "RESERVED_KEY",
     "RESTORE_VIEW_DIR",
     "data_file_name",
+    "data_file_of",
     "hf_shard_name",
     "is_dmuon_file",
     "is_manifest_name",
@@ -130,6 +135,13 @@ def rank_of_data_file(name: str) -> int | None:
     """The rank that wrote a data file, or None if ``name`` is not one."""
     match = _DATA_FILE.match(name)
     return int(match.group(1)) if match else None
+
+
+def data_file_of(rank: int, names) -> str:
+    """Rank ``rank``'s data file among ``names`` (a manifest's files), or "" where it wrote none.
+    Its name carries the id of the save that first wrote its layout, not necessarily the id of
+    the save the manifest commits (a steady save keeps its files' names)."""
+    return next((name for name in names if rank_of_data_file(name) == rank), "")
 
 
 def manifest_name(save_id: str) -> str:

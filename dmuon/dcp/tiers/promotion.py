@@ -19,7 +19,7 @@ from typing import BinaryIO
 from ..commit import commit
 from ..errors import CheckpointCorruptError, CheckpointExistsError, StorageError
 from ..format.file_sums import read_file_sums
-from ..format.layout import METADATA, data_file_name
+from ..format.layout import METADATA, data_file_of
 from ..format.manifest import Manifest
 from ..format.verified_read import verify_stream
 from ..manager import CheckpointManager
@@ -94,7 +94,7 @@ def promote_step(
     if not transport.decided(start, 0, where, StorageError):
         return False
     manifest = copy.manifest()
-    mine = data_file_name(layout.rank, manifest.save_id)
+    mine = data_file_of(layout.rank, manifest.files)
     with Attempt() as uploading:
         if mine in manifest.files:
             _upload(store, os.path.join(tier.step_dir(step), mine), mine, manifest)

@@ -16,7 +16,7 @@ import contextlib
 import os
 
 from ..errors import StorageError
-from ..format.layout import data_file_name
+from ..format.layout import data_file_of
 from ..format.verified_read import verify_stream
 from .local import CommitCopy, LocalTier
 from .nodes import NodeLayout, TierGroups
@@ -41,7 +41,7 @@ def replicate_step(
     if target is None or source is None:
         return 0
     manifest = commit.manifest()
-    mine, theirs = data_file_name(rank, manifest.save_id), data_file_name(source, manifest.save_id)
+    mine, theirs = data_file_of(rank, manifest.files), data_file_of(source, manifest.files)
     send = recv = None
     if mine in manifest.files:
         send = Outgoing(target, os.path.join(tier.step_dir(step), mine), [(0, manifest.files[mine].size)])
