@@ -1,28 +1,31 @@
 """Scale simulator: what checkpoint coordination costs at 64 to 16,384 ranks, in one process.
 
     python benchmarks/scale_sim.py [--models 8b 70b] [--meshes fsdp hsdp] [--worlds 64 256]
-                                   [--extrapolate 1024 4096 16384] [--full-load-max 64] [--json PATH]
+                                   [--extrapolate 1024 4096 16384] [--load-max 1024] [--json PATH]
     python benchmarks/scale_sim.py --check-real [--real-worlds 8 32]
 
 For each model (Llama-like 8B and 70B: ``scale_sim_state.SPECS``, Muon on the hidden 2-D
 weights, which dmuon dedicates), mesh (FSDP2 1-D, or HSDP with shard groups of 8) and world
-size, it runs dmuon's planners, plan cache, writer (metadata, manifest, commit) and reader as
-they are in the tree, and torch's ``DefaultSavePlanner``/``DefaultLoadPlanner`` with torch's
-``FileSystemWriter``/``Reader`` on the same state as torch sees it (every tensor an FSDP2
-shard), with and without ``enable_plan_caching``, through DCP's protocol for N synthetic ranks
-(``scale_sim_protocol.py``). Per first save, steady save (the same layout saved again to a new
-directory by the same job) and load: bytes each rank sends and receives through DCP's object
-collectives, counted as pickled objects from or to the coordinator; the coordinator's CPU
-seconds (unpickling what it gathers, global planning, commit, pickling what it sends);
-``.metadata`` and manifest bytes; each rank's load-planning CPU.
+size, N synthetic ranks run the code as it is in the tree (``scale_sim_world.py``: one greenlet
+per rank, every collective a collective of the simulated world): dmuon's own rounds
+(``run_save``, ``open_once``, ``run_load`` over a simulated ``Transport``, with dmuon's
+planners, plan caches, writer and reader), and torch's ``dcp.save``/``dcp.load`` with its
+default planners (with and without ``enable_plan_caching``) and ``FileSystemWriter``/``Reader``
+on the same state as torch sees it (every tensor an FSDP2 shard). Only the bytes are left out:
+a write returns what it would (``scale_sim_stand_ins.py``); ``.metadata`` and the manifest are
+committed for real, into memory (``scale_sim_store.py``) or a temporary directory (torch's).
+
+Per first save, steady save (the same layout saved again to a new directory by the same job)
+and load: the bytes each collective moves (pickled objects, all-reduced tensors) tallied per
+rank; rank 0's CPU seconds and the largest of any rank's (all of their work in the operation,
+building the synthetic state excluded); ``.metadata`` and manifest bytes; peak memory.
 
 World sizes above ``--worlds`` are extrapolated (``--extrapolate``) from the two largest
-simulated ones with the growth they show (y ~ N^k); loads above ``--full-load-max`` ranks are
-sampled (each rank's load planning is itself O(N) per key, N ranks of it too slow here): the
-plans of a few ranks spread over the world, timed and sized, scaled to N.
+simulated ones with the growth they show (y ~ N^k). Loads run up to ``--load-max`` ranks (an
+FSDP2 1-D load plans O(N) chunks per key on every rank: O(N^2) in all).
 
 ``--check-real`` runs the same tiny model on real gloo ranks (``scale_sim_real.py``), counts
-what the object collectives move there, and compares it with the simulator's counts.
+what the collectives move there, and compares it with the simulator's counts.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import gc
 import json
 import math
 import os
-import pickle
+import resource
 import shutil
 import sys
 import tempfile
@@ -43,24 +46,18 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch.distributed.checkpoint as dcp
-from scale_sim_dmuon import simulate_dmuon_load, simulate_dmuon_save
-from scale_sim_protocol import (
-    LoadSide,
-    Phase,
-    SaveSide,
-    SimulatedWorld,
-    local_load_plan,
-    simulate_load,
-    simulate_save,
-    torch_results,
-)
-from scale_sim_state import SPECS, Call, Mesh, Model, spread, tally
+from scale_sim_stand_ins import DmuonReader, DmuonWriter, TorchReader, TorchWriter
+from scale_sim_state import SPECS, Mesh, Model, tally
 from scale_sim_store import SCHEME, SimStore
+from scale_sim_world import Phase, SimulatedWorld
 from torch.distributed.checkpoint.planner import SavePlanner
 
 import dmuon.dcp as ddcp
 from dmuon.dcp.format.layout import METADATA
+from dmuon.dcp.load_protocol import run_load
+from dmuon.dcp.operation import open_once
 from dmuon.dcp.plan_cache import SavePlanCache
+from dmuon.dcp.save_protocol import run_save
 from dmuon.dcp.storage.registry import register_store, unregister_store
 
 METHODS = ("dmuon", "torch", "torch+cache")
@@ -80,104 +77,90 @@ def _torch_planner(caching: bool, rank: int) -> dcp.DefaultSavePlanner:
     return planner
 
 
-def run_method(method: str, model: Model, n: int, full_load_max: int, tmp: str) -> dict[str, Phase]:
-    """First save, steady save and load of ``model`` on ``n`` synthetic ranks by ``method``."""
-    world = SimulatedWorld(n)
+def run_method(method: str, model: Model, n: int, loads: bool, tmp: str) -> dict[str, Phase]:
+    """First save, steady save and (``loads``) load of ``model`` on ``n`` synthetic ranks."""
+    if method == "dmuon":
+        return run_dmuon(model, n, loads)
+    caching = method == "torch+cache"
+    _clear_torch_caches()
     out: dict[str, Phase] = {}
-    with world.installed():
-        if method == "dmuon":
-            return run_dmuon(world, model, n, full_load_max, tmp)
-        caching = method == "torch+cache"
-        _clear_torch_caches()
-        dirs = [os.path.join(tmp, f"torch{i}") for i in range(2)]
-        for op, path in zip(OPS[:2], dirs):
-            side = SaveSide(planner=lambda r: _torch_planner(caching, r),
-                            writer=lambda r, path=path: dcp.FileSystemWriter(path),
-                            state=model.state, results=lambda r, plan: torch_results(plan))
-            out[op], _ = simulate_save(world, side)
-            out[op].small_files = {METADATA: os.path.getsize(os.path.join(path, METADATA))}
-        _clear_torch_caches()
-        reader0 = dcp.FileSystemReader(dirs[0])
-        start = time.process_time()
-        metadata = reader0.read_metadata()
-        open_cpu = time.process_time() - start
-        read = {METADATA: n * os.path.getsize(os.path.join(dirs[0], METADATA))}  # every rank's
-        load = LoadSide(planner=lambda r: dcp.DefaultLoadPlanner(),
-                        reader=lambda r: dcp.FileSystemReader(dirs[0]), state=model.state,
-                        exchange=lambda plans: False)
-        full = n <= full_load_max
-        out["load"] = simulate_load(world, load, metadata) if full else sampled_load(world, load, metadata)
-        out["load"].small_files = read
-        out["load"].extra["metadata_open_cpu"] = open_cpu
+    world = SimulatedWorld(n)
+    dirs = [os.path.join(tmp, f"torch{i}") for i in range(2)]
+    for op, path in zip(OPS[:2], dirs):
+
+        def save(rank: int, transport: Any, path: str = path) -> None:
+            with world.untimed():
+                state = model.state(rank)
+            dcp.save(state, storage_writer=TorchWriter(path), planner=_torch_planner(caching, rank))
+
+        out[op] = _phase(world, world.run(save))
+        out[op].small_files = {METADATA: os.path.getsize(os.path.join(path, METADATA))}
+    _clear_torch_caches()
+    if loads:
+
+        def load(rank: int, transport: Any) -> None:
+            with world.untimed():
+                state = model.state(rank)
+            dcp.load(state, storage_reader=TorchReader(dirs[0]), planner=dcp.DefaultLoadPlanner())
+
+        out["load"] = _phase(world, world.run(load))
+        out["load"].small_files = {METADATA: n * os.path.getsize(os.path.join(dirs[0], METADATA))}  # every rank's
     return out
 
 
-def run_dmuon(world: SimulatedWorld, model: Model, n: int, full_load_max: int, tmp: str) -> dict[str, Phase]:
-    """dmuon's Checkpointer rounds (``scale_sim_dmuon.py``): first save, steady save, and the
-    load twice: cooperative (the default from object storage, or from a local path when the
-    ranks span machines: plans gathered) and alone (``cooperative=False``, or one machine)."""
+def run_dmuon(model: Model, n: int, loads: bool) -> dict[str, Phase]:
+    """dmuon's rounds as a ``Checkpointer`` runs them (``run_save``, ``open_once``, ``run_load``),
+    each rank with its own plan cache: first save, steady save, and the load twice: cooperative
+    (the default from object storage: plans gathered) and alone (``cooperative=False``)."""
     out: dict[str, Phase] = {}
     layout = model.layout()
     caches = [SavePlanCache() for _ in range(n)]
-    urls = [f"{SCHEME}://{tmp}/save{i}" for i in range(2)]
+    world = SimulatedWorld(n)
+    urls = [f"{SCHEME}://dmuon-scale-sim/save{i}" for i in range(2)]
     for op, url in zip(OPS[:2], urls):
-        out[op], path = simulate_dmuon_save(
-            world, lambda r: ddcp.DMuonSavePlanner(plan_cache=caches[r]),
-            lambda r, url=url: ddcp.DMuonStorageWriter(url), lambda r: model.state(r, layout), caches)
-        out[op].extra["path"] = path
+
+        def save(rank: int, transport: Any, url: str = url) -> None:
+            with world.untimed():
+                state = model.state(rank, layout)
+            run_save(state, DmuonWriter(url), ddcp.DMuonSavePlanner(plan_cache=caches[rank]), transport)
+
+        out[op] = _phase(world, world.run(save))
+        out[op].extra["path"] = "full" if any(call.kind == "gather" for call in out[op].calls) else "steady"
         out[op].small_files = {name: len(data) for name, data in SimStore.at(url).files.items()}
+    if not loads:
+        return out
     store = SimStore.at(urls[0])
-    start = time.process_time()
-    world.rank, world.calls = 0, []
-    listing = open_listing(urls[0])
-    open_cpu = time.process_time() - start
-    opened = list(world.calls)  # rank 0 read the small files and broadcast them
-    read = {name: size if opened else size * n for name, size in store.bytes_read.items()}
-    sample = None if n <= full_load_max else list(spread(n, 4))
     for op, cooperative in (("load", None), ("load alone", False)):
-        out[op] = simulate_dmuon_load(
-            world, lambda r: ddcp.DMuonLoadPlanner(),
-            lambda r, c=cooperative: ddcp.DMuonStorageReader(urls[0], listing=listing, cooperative=c),
-            lambda r: model.state(r, layout), sample)
-        out[op].calls[:0] = opened
-        out[op].small_files = read
-        out[op].extra["metadata_open_cpu"] = open_cpu
+        store.bytes_read.clear()
+
+        def load(rank: int, transport: Any, cooperative: bool | None = cooperative) -> None:
+            listing = open_once(urls[0], None, transport)
+            with world.untimed():
+                state = model.state(rank, layout)
+            reader = DmuonReader(urls[0], listing=listing, cooperative=cooperative)
+            run_load(state, reader, ddcp.DMuonLoadPlanner(), transport)
+
+        out[op] = _phase(world, world.run(load))
+        out[op].small_files = dict(store.bytes_read)
     return out
 
 
-def open_listing(url: str):
-    """How dmuon's Checkpointer.load opens a checkpoint: ``open_once`` (rank 0 reads the small
-    files and broadcasts them)."""
-    from dmuon.dcp.group_transport import transport_over
-    from dmuon.dcp.operation import open_once
-
-    return open_once(url, None, transport_over(None))
-
-
-def sampled_load(world: SimulatedWorld, side: LoadSide, metadata) -> Phase:
-    """A load too large to plan on every rank: a few ranks' local plans, scaled to N (the
-    coordinator's global step is then not run, its CPU not known)."""
-    phase, n = Phase(), world.world
-    sizes, cpu = [], []
-    for rank in spread(n, 4):
-        plan, _, _, seconds = local_load_plan(world, side, rank, metadata)
-        sizes.append(len(pickle.dumps(plan)))
-        cpu.append(seconds)
-    mean = round(sum(sizes) / len(sizes))
-    phase.calls = [Call("gather", [mean] * n), Call("scatter", [mean] * n), Call("all_gather", [4] * n)]
-    phase.rank0_cpu = math.nan
-    phase.extra.update(rank_plan_cpu_max=max(cpu), rank_plan_cpu_mean=sum(cpu) / len(cpu), sampled=len(sizes))
-    return phase
+def _phase(world: SimulatedWorld, outcomes: list) -> Phase:
+    """One operation's record; the first failure of a rank, if any, raised."""
+    for rank, outcome in enumerate(outcomes):
+        if outcome.error is not None:
+            raise RuntimeError(f"rank {rank} of the simulated job failed") from outcome.error
+    return Phase(calls=list(world.calls), cpu=[outcome.cpu for outcome in outcomes])
 
 
 def summarize(phase: Phase, n: int) -> dict[str, Any]:
     row: dict[str, Any] = dict(tally(phase.calls, n))
-    row.update(rank0_cpu=phase.rank0_cpu, small_files=phase.small_files, **phase.extra)
+    row.update(rank0_cpu=phase.cpu[0], rank_cpu_max=max(phase.cpu), small_files=phase.small_files, **phase.extra)
     row["calls"] = [c.kind for c in phase.calls]
     return row
 
 
-def simulate(models: list[str], meshes: list[str], worlds: list[int], full_load_max: int,
+def simulate(models: list[str], meshes: list[str], worlds: list[int], load_max: int,
              log=print, methods: tuple[str, ...] = METHODS) -> list[dict[str, Any]]:
     """Every (model, mesh, N, method): its rows, one per operation."""
     rows = []
@@ -194,22 +177,25 @@ def simulate(models: list[str], meshes: list[str], worlds: list[int], full_load_
                         gc.collect()
                         gc.disable()  # (collector pauses are noise here; dmuon's save pauses it too)
                         try:
-                            phases = run_method(method, model, n, full_load_max, tmp)
+                            phases = run_method(method, model, n, n <= load_max, tmp)
                         finally:
                             gc.enable()
                             shutil.rmtree(tmp, ignore_errors=True)
                             SimStore.drop_all()
+                        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
                         for op, phase in phases.items():
                             rows.append(dict(model=SPECS[key].name, mesh=mesh.label, mesh_kind=mesh_name, world=n,
-                                             method=method, op=op, measured=True, **summarize(phase, n)))
-                        log(f"  {SPECS[key].name} {mesh.label} N={n} {method}: {time.perf_counter() - t0:.1f} s")
+                                             method=method, op=op, measured=True, peak_rss=peak,
+                                             **summarize(phase, n)))
+                        log(f"  {SPECS[key].name} {mesh.label} N={n} {method}: {time.perf_counter() - t0:.1f} s, "
+                            f"peak RSS so far {peak / 2**30:.1f} GiB")
     finally:
         unregister_store(SCHEME)
     return rows
 
 
 NUMERIC = ("rank0_in", "rank0_out", "other_in_max", "other_out_max", "total", "wire_rank0_in", "wire_max_in",
-           "wire_max_out", "rank0_cpu", "rank_plan_cpu_max", "small_bytes")
+           "wire_max_out", "rank0_cpu", "rank_cpu_max", "small_bytes")
 
 
 def extrapolate(rows: list[dict[str, Any]], targets: list[int]) -> list[dict[str, Any]]:
@@ -263,7 +249,8 @@ def tables(rows: list[dict[str, Any]]) -> str:
         head = ["model", "mesh", "N", "method", "into rank 0", "out of rank 0 (star)", "any other rank in / out",
                 "any rank, wire in / out (ring/tree)", "rank-0 CPU"]
         load = op.startswith("load")
-        head += ["small files read (N ranks)", "per-rank planning CPU"] if load else [".metadata + manifest"]
+        head += ["small files read (N ranks)"] if load else [".metadata + manifest"]
+        head += ["any rank's CPU"]
         lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         for row in sorted((r for r in rows if r["op"] == op), key=lambda r: (r["model"], r["mesh_kind"], r["world"],
                                                                            METHODS.index(r["method"]))):
@@ -274,8 +261,7 @@ def tables(rows: list[dict[str, Any]]) -> str:
                      f"{mark}{_size(row['other_in_max'])} / {_size(row['other_out_max'])}",
                      f"{mark}{_size(row.get('wire_max_in'))} / {_size(row.get('wire_max_out'))}",
                      mark + _secs(row["rank0_cpu"]), mark + _size(small)]
-            if op.startswith("load"):
-                cells.append(mark + _secs(row.get("rank_plan_cpu_max", math.nan)))
+            cells.append(mark + _secs(row.get("rank_cpu_max", math.nan)))
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -286,7 +272,7 @@ def main() -> None:
     parser.add_argument("--meshes", nargs="+", default=["fsdp", "hsdp"], choices=["fsdp", "hsdp"])
     parser.add_argument("--worlds", nargs="+", type=int, default=[64, 256])
     parser.add_argument("--extrapolate", nargs="*", type=int, default=[1024, 4096, 16384])
-    parser.add_argument("--full-load-max", type=int, default=64)
+    parser.add_argument("--load-max", type=int, default=1024, help="simulate loads up to this many ranks")
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     parser.add_argument("--json", help="write every row here")
     parser.add_argument("--from-json", help="table the measured rows of an earlier --json (several: merge them)")
@@ -306,7 +292,7 @@ def main() -> None:
         with open(args.from_json) as f:
             rows = [row for row in json.load(f) if row["measured"]]
     else:
-        rows = simulate(args.models, args.meshes, args.worlds, args.full_load_max, methods=tuple(args.methods))
+        rows = simulate(args.models, args.meshes, args.worlds, args.load_max, methods=tuple(args.methods))
     rows += extrapolate(rows, args.extrapolate)
     print(tables(rows))
     if args.json:

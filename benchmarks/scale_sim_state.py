@@ -12,8 +12,7 @@ compares the bytes counted here with those of real gloo ranks on a tiny model.
 
 from __future__ import annotations
 
-import pickle
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -242,12 +241,6 @@ class Model:
 SIZE_BYTES = 8  # each object collective first exchanges sizes as int64 tensors
 
 
-def pickled_size(obj: Any) -> int:
-    """What ``torch.distributed``'s object collectives send for ``obj`` (their pickler, default
-    protocol)."""
-    return len(pickle.dumps(obj))
-
-
 @dataclass
 class Call:
     """One collective rooted at rank 0: ``gather`` (sizes[r]: rank r's object), ``scatter``
@@ -325,10 +318,3 @@ def tally(calls: Sequence[Call], world: int) -> dict[str, float]:
         "wire_max_in": max(win),
         "wire_max_out": max(wout),
     }
-
-
-def spread(world: int, count: int) -> Iterator[int]:
-    """``count`` ranks spread over ``world`` (first and last included), for sampled timings."""
-    step = max(1, (world - 1) // max(count - 1, 1))
-    picked = sorted({*range(0, world, step), world - 1})
-    return iter(picked[:count] if len(picked) > count else picked)

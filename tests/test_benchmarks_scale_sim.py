@@ -1,5 +1,6 @@
 """The scale simulator (benchmarks/scale_sim.py) runs at a tiny N and counts sanely, so that CI
-keeps it working while the code it measures changes."""
+keeps it working while the code it measures changes; its simulated world runs real SPMD code
+(dmuon's rounds, torch's dcp.save) and says so when the ranks part ways."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import sys
 import pytest
 import torch
 
+pytest.importorskip("greenlet")  # (the simulator's ranks; installed with the test extra on 3.11)
 BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
 sys.path.insert(0, BENCHMARKS)
 
@@ -69,7 +71,7 @@ def test_protocol_and_counts(rows):
             assert first["rank0_in"] > 0 and first["other_in_max"] > 0 and first["rank0_cpu"] >= 0
             assert steady["rank0_in"] <= first["rank0_in"]
             load = _row(rows, method, "load", mesh=mesh)
-            assert "gather" in load["calls"] and load["small_files"] and load["rank_plan_cpu_max"] > 0
+            assert "gather" in load["calls"] and load["small_files"] and load["rank_cpu_max"] > 0
             if method != "dmuon":  # torch's dcp.save: plans gathered and scattered at every save
                 assert first["calls"] == steady["calls"] == ["gather", "scatter", "gather", "broadcast"]
     # the caches make a steady save gather less: torch's
@@ -79,7 +81,7 @@ def test_protocol_and_counts(rows):
 
 
 def test_dmuon_rounds(rows):
-    """dmuon's save_protocol and load_protocol, as the simulator drives them."""
+    """dmuon's own run_save, open_once and run_load, as the simulated ranks run them."""
     for mesh in ("fsdp", "hsdp"):
         first, steady = _row(rows, "dmuon", "first save", mesh=mesh), _row(rows, "dmuon", "steady save", mesh=mesh)
         assert first["path"] == "full" and steady["path"] == "steady"
@@ -90,7 +92,8 @@ def test_dmuon_rounds(rows):
         assert steady["rank0_in"] == steady["other_out_max"] == steady["rank0_out"] == 2 * 8 * (5 + 2 + 1)
         assert steady["small_files"][".metadata"] == first["small_files"][".metadata"]  # the cached metadata
         load, alone = _row(rows, "dmuon", "load", mesh=mesh), _row(rows, "dmuon", "load alone", mesh=mesh)
-        assert load["calls"] == ["broadcast", "all_reduce", "gather", "scatter", "all_gather", "all_reduce"]
+        # the listing; planning; the assignment; the cooperative reads agreed; the outcome
+        assert load["calls"] == ["broadcast", "all_reduce", "gather", "scatter", "all_reduce", "all_reduce"]
         assert alone["calls"] == ["broadcast", "all_reduce", "all_reduce"]  # the listing, two agreements
         assert alone["rank0_in"] == 2 * 8 * (5 + 1)
         read = load["small_files"]
@@ -101,7 +104,7 @@ def test_dmuon_rounds(rows):
 
 
 def test_dmuon_write_results_carry_no_checksums():
-    from scale_sim_protocol import dmuon_results
+    from scale_sim_stand_ins import dmuon_results
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
     from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
@@ -127,3 +130,19 @@ def test_extrapolation_and_tables(rows):
     assert all(not r["measured"] for r in more)
     text = scale_sim.tables(rows + more)
     assert "#### steady save" in text and "≈ 64" in text
+
+
+def test_the_world_runs_spmd_code_and_names_a_divergence():
+    from scale_sim_world import SimulatedWorld, SimulatorGap
+
+    world = SimulatedWorld(4)
+
+    def body(rank, transport):
+        total = transport.share(rank * 10)
+        assert transport.broadcast(f"from {rank}", 2) == "from 2"
+        return sum(total)
+
+    outcomes = world.run(body)
+    assert [o.value for o in outcomes] == [60] * 4 and [c.kind for c in world.calls] == ["all_gather", "broadcast"]
+    with pytest.raises(SimulatorGap, match="different collectives"):
+        world.run(lambda rank, transport: transport.barrier() if rank else transport.share(rank))

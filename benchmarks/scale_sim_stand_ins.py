@@ -1,0 +1,128 @@
+"""What the scale simulator puts in place of the bytes: writers whose write returns what a real
+write of the plan would (each item's file, offset and length; dmuon's file stats and trailer
+size), readers that read nothing; everything else of them (planning, naming, the commit of
+``.metadata`` and the manifest into ``scale_sim_store.SimStore``) is the real class's.
+
+:class:`DmuonWriter` and :class:`DmuonReader` stand for dmuon's ``DMuonStorageWriter`` and
+``DMuonStorageReader``, :class:`TorchWriter` and :class:`TorchReader` for torch's
+``FileSystemWriter`` and ``FileSystemReader``. What a write returns mirrors ``writer.py`` and
+torch's ``FileSystemWriter`` (:func:`dmuon_results`, :func:`torch_results`).
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, WriteItemType
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
+
+from dmuon import compat
+from dmuon.dcp.cooperative import share_of
+from dmuon.dcp.format.checksums import WRITE_CHECKSUM
+from dmuon.dcp.format.file_sums import encode_file_sums
+from dmuon.dcp.format.manifest import FileStats, ItemChecksums, block_size_for
+from dmuon.dcp.reader import DMuonStorageReader
+from dmuon.dcp.writer import FILE_STATS_KEY, DMuonStorageWriter
+
+# bytes around a tensor's data in a data file (torch.save framing); and a pickled object's size
+TENSOR_HEAD, TENSOR_TAIL, OBJECT_BYTES = 128, 30, 400
+
+
+# ---------------------------------------------------------------------------------------------
+# what a rank's write would return
+# ---------------------------------------------------------------------------------------------
+def _item_bytes(item) -> int:
+    if item.type == WriteItemType.BYTE_IO:
+        return OBJECT_BYTES
+    sizes = item.tensor_data.chunk.sizes
+    return int(torch.Size(sizes).numel()) * item.tensor_data.properties.dtype.itemsize
+
+
+def dmuon_results(rank: int, plan: SavePlan) -> list[WriteResult]:
+    """What ``DMuonStorageWriter.write_data`` returns for ``plan`` (manifest version 4): one
+    result per item (its file, offset, length) and one ``FILE_STATS_KEY`` result with the
+    file's ``FileStats(size, None, sums_at=...)``; the items' checksums go into the file's
+    trailer (``format/file_sums.py``, built here with random 64-bit values for its size), not
+    to the coordinator."""
+    rng = random.Random(rank)
+    name = plan.storage_data["file"]
+    results, checksums, offset = [], {}, 0
+    items = sorted(plan.items, key=lambda item: item.type != WriteItemType.BYTE_IO)
+    for item in items:
+        data = _item_bytes(item)
+        if item.type == WriteItemType.BYTE_IO:
+            stats = ItemChecksums.whole(data, rng.getrandbits(64))
+        else:
+            block = block_size_for(data)
+            count = 2 + -(-data // block)
+            stats = ItemChecksums(TENSOR_HEAD + data + TENSOR_TAIL, TENSOR_HEAD, block, TENSOR_TAIL,
+                                  [rng.getrandbits(64) for _ in range(count)])
+        checksums[offset] = stats
+        results.append(WriteResult(index=item.index, size_in_bytes=stats.length,
+                                   storage_data=compat.StorageInfo(name, offset, stats.length)))
+        offset += stats.length
+    if plan.items:
+        trailer = encode_file_sums(plan.storage_data["save_id"], name, WRITE_CHECKSUM, checksums)
+        results.append(WriteResult(index=MetadataIndex(f"{FILE_STATS_KEY}{name}"), size_in_bytes=0,
+                                   storage_data=(name, FileStats(offset + len(trailer), None, sums_at=offset))))
+    return results
+
+
+def torch_results(plan: SavePlan) -> list[WriteResult]:
+    """What torch's ``FileSystemWriter.write_data`` returns: one file per rank (its default)."""
+    name = f"{plan.storage_data.prefix}0.distcp"
+    results, offset = [], 0
+    for item in plan.items:
+        length = _item_bytes(item) + (0 if item.type == WriteItemType.BYTE_IO else 1100)
+        results.append(WriteResult(index=item.index, size_in_bytes=length,
+                                   storage_data=compat.StorageInfo(name, offset, length)))
+        offset += length
+    return results
+
+
+
+
+def _done(value: Any) -> Future:
+    future: Future = Future()
+    future.set_result(value)
+    return future
+
+
+class DmuonWriter(DMuonStorageWriter):
+    """dmuon's writer, its write replaced by the results it would return."""
+
+    def write_data(self, plan: SavePlan, planner: Any) -> Future:
+        self.save_id = plan.storage_data["save_id"]
+        return _done(dmuon_results(self.rank, plan) if plan.items else [])
+
+
+class DmuonReader(DMuonStorageReader):
+    """dmuon's reader, reading nothing. Where the plan gives this rank a part in a cooperative
+    load, the one round that adds before its point-to-point exchange (every rank's reads agreed:
+    ``cooperative.read_shared``) is made over the load's transport; the exchange moves tensor
+    bytes between pairs of ranks, not coordination, and is not simulated."""
+
+    def read_data(self, plan: LoadPlan, planner: Any) -> Future:
+        if share_of(plan) is not None:
+            assert self.transport is not None
+            self.transport.settle(None, "reading (cooperative load: nothing was exchanged)")
+        return _done(None)
+
+
+class TorchWriter(FileSystemWriter):
+    """torch's ``FileSystemWriter``, its write replaced by the results it would return."""
+
+    def write_data(self, plan: SavePlan, planner: Any) -> Future:
+        return _done(torch_results(plan))
+
+
+class TorchReader(FileSystemReader):
+    """torch's ``FileSystemReader``, reading nothing."""
+
+    def read_data(self, plan: LoadPlan, planner: Any) -> Future:
+        return _done(None)
