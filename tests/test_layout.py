@@ -275,3 +275,12 @@ def test_every_environment_variable_read_is_in_the_table_with_its_module():
     for name, variables in table.items():
         source = MODULES[name].read_text()
         assert [v for v in variables if v not in source] == [], name
+
+
+def test_the_map_names_every_module():
+    """docs/architecture.md is the map for newcomers: every module of the package has its row
+    (a package's ``__init__`` aside), so a new module cannot arrive unlisted."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    unlisted = [name for name, path in MODULES.items()
+                if path.name != "__init__.py" and f"`{path.name}`" not in text and f"{path.name}`" not in text]
+    assert unlisted == [], unlisted
