@@ -97,11 +97,13 @@ def run_method(method: str, model: Model, n: int, loads: bool, tmp: str) -> dict
         out[op].small_files = {METADATA: os.path.getsize(os.path.join(path, METADATA))}
     _clear_torch_caches()
     if loads:
+        shared: dict = {}
 
         def load(rank: int, transport: Any) -> None:
             with world.untimed():
                 state = model.state(rank)
-            dcp.load(state, storage_reader=TorchReader(dirs[0]), planner=dcp.DefaultLoadPlanner())
+            reader = TorchReader(dirs[0], shared, world.charge)
+            dcp.load(state, storage_reader=reader, planner=dcp.DefaultLoadPlanner())
 
         out["load"] = _phase(world, world.run(load))
         out["load"].small_files = {METADATA: n * os.path.getsize(os.path.join(dirs[0], METADATA))}  # every rank's

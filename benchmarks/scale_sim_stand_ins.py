@@ -12,6 +12,8 @@ torch's ``FileSystemWriter`` (:func:`dmuon_results`, :func:`torch_results`).
 from __future__ import annotations
 
 import random
+import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -122,7 +124,23 @@ class TorchWriter(FileSystemWriter):
 
 
 class TorchReader(FileSystemReader):
-    """torch's ``FileSystemReader``, reading nothing."""
+    """torch's ``FileSystemReader``, reading no data. Every rank reads and unpickles
+    ``.metadata`` itself, as torch's does: here the first rank does, and the others share its
+    copy (``shared``, one per load), each charged the seconds it took (``charge``): what it
+    costs each of them, without N copies of it in this process's memory."""
+
+    def __init__(self, path: str, shared: dict, charge: Callable[[float], None]) -> None:
+        super().__init__(path)
+        self.shared, self.charge = shared, charge
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        if "metadata" in self.shared:
+            self.charge(self.shared["seconds"])
+            return self.shared["metadata"]
+        began = time.process_time()
+        self.shared["metadata"] = super().read_metadata(*args, **kwargs)
+        self.shared["seconds"] = time.process_time() - began
+        return self.shared["metadata"]
 
     def read_data(self, plan: LoadPlan, planner: Any) -> Future:
         return _done(None)

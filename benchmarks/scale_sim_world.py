@@ -173,6 +173,10 @@ class SimulatedWorld:
         return obj
 
     # -- what a rank's code sees -----------------------------------------------------------------
+    def charge(self, seconds: float) -> None:
+        """On a rank: CPU seconds it would have spent on work done once for all (a shared copy)."""
+        self._cpu[self.rank] += seconds
+
     @contextlib.contextmanager
     def untimed(self) -> Iterator[None]:
         """On a rank: work of the simulation itself (building its synthetic state), not counted
