@@ -22,18 +22,18 @@ from tests.helpers.training import build, train
 MODEL = {"vocab": 512, "dim": 64, "hidden": 256}
 
 
-def save_worker(rank, world, replicate, url, options):
-    model, opt = build(replicate, **MODEL)
+def save_worker(rank, world, replicate, url, options, sizes=MODEL):
+    model, opt = build(replicate, **sizes)
     train(model, opt, rank, world, range(2))
     ddcp.save(model, opt, url, extra={"step": 2}, storage_options=options)
     return {"model": dmuon.get_model_state_dict(model), "optim": dmuon.get_optimizer_state_dict(model, opt)}
 
 
-def load_worker(rank, world, replicate, url, options, cooperative, machines=None):
+def load_worker(rank, world, replicate, url, options, cooperative, machines=None, sizes=MODEL):
     """``machines``: each rank's machine, as torchrun would say it (``GROUP_RANK``)."""
     if machines is not None:
         os.environ[NODE_RANK_ENV] = str(machines[rank])
-    model, opt = build(replicate, **MODEL)
+    model, opt = build(replicate, **sizes)
     reader = ddcp.DMuonStorageReader(url, storage_options=options, cooperative=cooperative)
     app = ddcp.AppState(model, opt)
     state = app.state_dict()
@@ -108,6 +108,61 @@ def test_the_default_on_one_machine_shares_only_object_storage_reads(checkpoint_
         assert sum(r["fetched"] for r in forced) <= 1.1 * total
     else:
         assert fetched <= 1.1 * total, (fetched, total)
+
+
+# items of 0.5-1 MiB: a direct read's page alignment (4 KiB at each end of a run) stays small
+LARGER = {"vocab": 512, "dim": 256, "hidden": 1024}
+
+
+def cold_load_worker(rank, world, url, chunk):
+    """A load past the page cache (direct reads) of small files, in read-ahead chunks of
+    ``chunk`` bytes, neighbours not kept with one reader (no ``STICKY_BYTES``): the shares of
+    several ranks lie in one chunk, as a large model's do."""
+    from dmuon.dcp import cooperative
+    from dmuon.dcp.storage import direct_read, local
+
+    cooperative.STICKY_BYTES = 0
+    opened = []
+
+    class Counted(direct_read.DirectReadFile):
+        def __init__(self, path):
+            super().__init__(path)
+            opened.append(path)
+
+    local.DIRECT_READ_MIN_BYTES = 0
+    local.DirectReadFile = Counted
+    direct_read.CHUNK_BYTES = chunk
+    return {**load_worker(rank, world, 2, url, {"direct_io": True}, None, sizes=LARGER), "direct": len(opened)}
+
+
+def test_a_cold_hsdp_load_with_the_exchange_fetches_each_byte_once(tmp_path):
+    """HSDP 2x2, the exchange forced (``DMUON_COOPERATIVE_LOAD=1``), the files read past the
+    page cache: each rank fetches only the bytes of its share, not the read-ahead chunks
+    around them (which hold its neighbours' shares). Counted by each stream: every byte read
+    from a file, hinted or not (trailers, headers, alignment)."""
+    from dmuon.dcp.storage.direct_read import is_cold
+    from dmuon.dcp.storage.local import DIRECT_IO_FILESYSTEMS, filesystem_type
+
+    if filesystem_type(str(tmp_path)) not in DIRECT_IO_FILESYSTEMS:
+        pytest.skip(f"{filesystem_type(str(tmp_path))}: no plain O_DIRECT here")
+    url = str(tmp_path / "ckpt")
+    saved = run_ranks(save_worker, 4, 2, url, None, LARGER)[0]
+    total = data_bytes(url, None)
+    for name in os.listdir(url):
+        fd = os.open(os.path.join(url, name), os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    if not all(is_cold(os.path.join(url, name), size) for name, size in open_store(url, None).list().items()):
+        pytest.skip("this system cannot tell whether a file is cached (mincore)")
+    results = run_ranks(cold_load_worker, 4, url, 1 << 20, env={COOPERATIVE_ENV: "1"})
+    assert_same(results[0], saved)
+    assert all(r["direct"] for r in results), results  # every rank read past the cache
+    fetched = sum(r["fetched"] for r in results)
+    assert fetched <= 1.1 * total, (fetched / total, [r["fetched"] for r in results], total)
+    assert fetched >= sum(r["read"] for r in results)  # (the stream's own count, not the data bytes)
 
 
 def corrupt_load_worker(rank, world, url):
