@@ -79,6 +79,32 @@ def test_reads_anywhere_without_hints_and_into_memory_views(cold_file):
         assert f.seek(-5, os.SEEK_END) == SIZE - 5 and f.read() == data[-5:]
 
 
+def test_only_the_hinted_ranges_are_fetched_even_after_a_trailer_read_first(cold_file):
+    """A rank of a cooperative load reads its share of a file: every other MiB here. Only
+    those bytes are fetched (whole pages), not the chunks around them; and the hints, given
+    while the position is still at the end of the trailer just read, are read ahead, not
+    dropped as already passed."""
+    import time
+
+    path, data = cold_file
+    with DirectReadFile(path) as f:
+        f.will_need(SIZE - 100, 100)
+        f.seek(SIZE - 100)
+        assert f.read(100) == data[-100:]
+        shares = [(k * (1 << 20) + 1000, (1 << 20) - 3000) for k in range(0, 3 * CHUNK_BYTES >> 20, 2)]
+        for offset, length in shares:
+            f.will_need(offset, length)
+        deadline = time.monotonic() + 10
+        while not f._chunks and time.monotonic() < deadline:  # (the position is SIZE here)
+            time.sleep(0.01)
+        assert f._chunks, "the hinted ranges were dropped, not read ahead"
+        for offset, length in shares:
+            f.seek(offset)
+            assert f.read(length) == data[offset : offset + length]
+        wanted = 100 + sum(length for _, length in shares)
+        assert wanted <= f.bytes_fetched <= wanted + 2 * DIRECT_IO_ALIGN * (len(shares) + 1)
+
+
 def test_the_store_reads_cold_large_files_past_the_cache_where_it_writes_past_it(cold_file, tmp_path, monkeypatch):
     path, data = cold_file
     (tmp_path / "small").write_bytes(b"x" * 100)
