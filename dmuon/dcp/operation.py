@@ -7,6 +7,8 @@ what a load fills in (the model's and optimizer's state, the skeleton of the sav
 from __future__ import annotations
 
 import os
+import pickle
+import zlib
 from typing import Any
 
 import torch
@@ -16,8 +18,9 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from .. import compat
 from ..optim.muon import Muon
 from .app_state import AppState
-from .checkpoint import CheckpointListing, open_checkpoint
+from .checkpoint import CheckpointListing, open_checkpoint, open_checkpoint_with_bytes
 from .format.layout import EXTRA_SECTION
+from .format.safe_metadata import load_metadata_bytes
 from .storage.registry import open_store
 from .transport import Transport
 
@@ -49,17 +52,30 @@ def open_once(
     ``.metadata``, the manifest) and sends what it found to every rank, instead of every rank
     reading them from storage: one read per load, not one per rank (what a job of thousands
     of ranks asks of one object-store key at once). A failure there (missing, incomplete,
-    corrupt) is raised on every rank with its type."""
+    corrupt) is raised on every rank with its type.
+
+    What it sends is the ``.metadata`` bytes as read, compressed, not the decoded ``Metadata``
+    pickled again: pickling a million chunk entries costs rank 0 seconds, and DCP's metadata
+    (the same names and shapes over and over) shrinks about tenfold (``_squeezed``)."""
     if transport.world == 1:
         return open_checkpoint(checkpoint_id, storage_options)
+    where = os.fspath(checkpoint_id)
 
-    def opened() -> tuple:
-        listing = open_checkpoint(checkpoint_id, storage_options)
-        return listing.metadata, listing.manifest, listing.files, listing.manifest_file
+    def opened() -> bytes:
+        listing, metadata_bytes = open_checkpoint_with_bytes(checkpoint_id, storage_options)
+        return _squeezed((metadata_bytes, listing.manifest, listing.files, listing.manifest_file))
 
-    metadata, manifest, files, manifest_file = transport.decided(opened, 0, f"opening {os.fspath(checkpoint_id)}")
+    payload = transport.decided(opened, 0, f"opening {where}")
+    metadata_bytes, manifest, files, manifest_file = pickle.loads(zlib.decompress(payload))
+    metadata = load_metadata_bytes(metadata_bytes, where)
     store = open_store(checkpoint_id, storage_options)
     return CheckpointListing(store, metadata, manifest, files=files, manifest_file=manifest_file)
+
+
+def _squeezed(small_files: tuple) -> bytes:
+    """One pickle of what ``open_once`` sends, compressed at zlib's fastest level (the
+    ``.metadata`` of 1,009 keys saved by 8 ranks: 955 KB, sent as 77 KB)."""
+    return zlib.compress(pickle.dumps(small_files, protocol=pickle.HIGHEST_PROTOCOL), 1)
 
 
 def load_state(model: nn.Module, optimizer: Muon | None, metadata: Metadata) -> tuple[AppState, dict]:

@@ -16,6 +16,7 @@ import torch.distributed.checkpoint as dcp
 import dmuon
 import dmuon.dcp as ddcp
 from dmuon.dcp.checkpoint import open_checkpoint
+from dmuon.dcp.format.layout import METADATA
 from tests.helpers.launch import run_ranks
 from tests.helpers.setup import max_abs_diff
 from tests.helpers.training import build, train
@@ -101,6 +102,9 @@ def test_a_steady_save_and_a_load_gather_nothing_and_stay_readable_by_torch(tmp_
         assert result["diff"] == 0.0 and result["extra"] == {"note": "b"}
         assert result["grown_extra"] == {"note": "longer " * 200}
     assert results[0]["hits"] == 1  # the coordinator reused the plans and metadata once
+    # open_once sends .metadata's bytes compressed, not the decoded Metadata pickled again
+    (sent,) = [size for name, size in results[0]["load"] if name == "broadcast_object_list"]
+    assert 0 < sent < os.path.getsize(tmp_path / "steady" / METADATA) / 3
     # torch's own reader reads the steady save (its data files end in checksum trailers)
     listing = open_checkpoint(str(tmp_path / "steady"))
     assert listing.manifest.version == "dmuon-manifest/4"
@@ -138,7 +142,6 @@ def test_a_steady_save_commits_the_same_metadata_bytes_and_never_overwrites_a_co
     unedited (no URL or save id is pickled: the manifest and each file's trailer name the save);
     saving the same directory again names the files afresh, so no file of the committed save is
     written over."""
-    from dmuon.dcp.format.layout import METADATA
 
     results = run_ranks(counted_worker, 2, str(tmp_path / "counted"))
     first, steady = (open_checkpoint(str(tmp_path / "counted" / name)) for name in ("first", "steady"))
