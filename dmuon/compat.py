@@ -31,6 +31,9 @@ What is private, and why dmuon needs it:
 * :func:`is_strided_shard`: FSDP2 composed with expert parallelism shards an expert stack's
   first dimension with DTensor's private ``_StridedShard``; Muon must know that such a shard
   still holds whole experts (``optim/expert_stacks.py``).
+* ``local_shape_and_offset()``: where any rank's piece of a DTensor lies (DTensor's own
+  computation, which DCP's public one runs for the calling rank): a sharded matrix's home
+  assembles the pieces of every rank (``optim/sharded_matrices.py``).
 * ``default_store()``, :func:`collective_count`: the job's rendezvous store, and a group's
   count of collectives; after a collective failed, the surviving ranks hold a roll
   call there, under a name that count gives, to name the rank that stopped
@@ -61,6 +64,7 @@ __all__ = [
     "collective_count",
     "default_store",  # noqa: F822 - served by __getattr__
     "is_strided_shard",
+    "local_shape_and_offset",  # noqa: F822 - served by __getattr__
     "missing_features",
     "optimizer_load_state_dict_hooks",
     "planner_flat_state",
@@ -135,6 +139,12 @@ _NEEDS = {
     "_StridedShard": _Need(
         "expert stacks sharded by FSDP2 over expert parallelism",
         (("torch.distributed.tensor.placement_types", "_StridedShard"),),
+    ),
+    # (global shape, mesh shape, coordinate, placements) -> (local shape, global offset) of any
+    # rank's piece, as DCP's public compute_local_shape_and_global_offset gives for this rank
+    "local_shape_and_offset": _Need(
+        "Muon on sharded matrices (dedicate_params(sharded_matrices=): tensor parallelism)",
+        (("torch.distributed.tensor._utils", "_compute_local_shape_and_global_offset"),),
     ),
 }
 _found: dict[str, Any] = {name: need.find() for name, need in _NEEDS.items()}

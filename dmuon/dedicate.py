@@ -60,6 +60,7 @@ def dedicate_params(
     reshard_after_forward: bool = True,
     param_dtype: torch.dtype | None = None,
     expert_stacks: Callable[[str, nn.Parameter], bool] | None = None,
+    sharded_matrices: Callable[[str, nn.Parameter], bool] | None = None,
 ) -> dict[str, tuple[int, int]]:
     """Give each parameter selected by ``predicate(fqn, param)`` one owner rank.
 
@@ -97,6 +98,14 @@ def dedicate_params(
             one matrix, flattened to ``[rows, -1]`` (the convolution convention), as before;
             one that holds a module's experts (its module's ``num_experts`` is its first
             dimension) is refused rather than silently flattened.
+        sharded_matrices: ``(fqn, param) -> bool``, which 2-D matrices stay as tensor
+            parallelism and ``fully_shard`` lay them out (DTensors, before or after this call)
+            and are updated by Muon whole: each matrix is assembled on one home rank of its
+            mesh, orthogonalised there, and the update sent back to the pieces, two
+            collectives per step for all of them (``optim/sharded_matrices.py``). Name here
+            every matrix a tensor-parallel plan shards (``ColwiseParallel``,
+            ``RowwiseParallel``): a dedicated parameter cannot be TP-sharded. A matrix matched
+            here is not dedicated even if ``predicate`` matches it too.
 
     Returns:
         The owner map ``{fqn: (replicate_rank, shard_rank)}``, identical on every rank: sizes
@@ -111,9 +120,17 @@ def dedicate_params(
     selected: list[tuple[str, nn.Parameter]] = []
     stacks: list[tuple[str, tuple[int, ...]]] = []
     locations = _locations(model)
+    matrices: list[tuple[str, tuple[int, ...]]] = []
     for name, param in model.named_parameters():
         fqn = compat.state_dict_name(name)
-        if expert_stacks is not None and expert_stacks(fqn, param):
+        if sharded_matrices is not None and sharded_matrices(fqn, param):
+            if param.ndim != 2:
+                raise ValueError(
+                    f"dedicate_params: {fqn!r} was selected by sharded_matrices with shape {tuple(param.shape)}; "
+                    "a matrix is 2-D"
+                )
+            matrices.append((fqn, tuple(param.shape)))
+        elif expert_stacks is not None and expert_stacks(fqn, param):
             if param.ndim != 3:
                 raise ValueError(
                     f"dedicate_params: {fqn!r} was selected by expert_stacks with shape {tuple(param.shape)}; "
@@ -126,9 +143,10 @@ def dedicate_params(
     for fqn, param in selected:
         if isinstance(param, torch.distributed.tensor.DTensor):
             raise RuntimeError(
-                f"dedicate_params: {fqn!r} is already a DTensor; call dedicate_params before fully_shard"
+                f"dedicate_params: {fqn!r} is already a DTensor; call dedicate_params before fully_shard "
+                "(a matrix tensor parallelism shards is named in sharded_matrices= instead)"
             )
-    _check_same_everywhere(topo, [(fqn, tuple(p.shape)) for fqn, p in selected] + stacks)
+    _check_same_everywhere(topo, [(fqn, tuple(p.shape)) for fqn, p in selected] + stacks + matrices)
     on_meta = _on_meta(selected)
     owners = assign_owners(
         [(fqn, p.numel() * p.element_size()) for fqn, p in selected],
@@ -136,7 +154,10 @@ def dedicate_params(
         topo.shard_size,
     )
     registry = DedicatedRegistry(
-        topo=topo, reshard_after_forward=reshard_after_forward, stack_fqns=frozenset(fqn for fqn, _ in stacks)
+        topo=topo,
+        reshard_after_forward=reshard_after_forward,
+        stack_fqns=frozenset(fqn for fqn, _ in stacks),
+        matrix_fqns=frozenset(fqn for fqn, _ in matrices),
     )
 
     def bind(param: nn.Parameter, rec: DedicatedParam) -> None:

@@ -307,9 +307,10 @@ class DedicatedRegistry:
 
     topo: Topology
     reshard_after_forward: bool
-    #: the expert stacks (``dedicate_params(..., expert_stacks=)``): not dedicated, but updated
-    #: by Muon per expert; named as ``state_dict`` names them
+    #: not dedicated, but updated by Muon: expert stacks (``expert_stacks=``), per expert, and
+    #: sharded matrices (``sharded_matrices=``), whole on a home rank; named as ``state_dict`` does
     stack_fqns: frozenset[str] = frozenset()
+    matrix_fqns: frozenset[str] = frozenset()
     records: dict[str, DedicatedParam] = field(default_factory=dict)
     handles: list = field(default_factory=list)
     sites: list[HookSite] = field(default_factory=list)

@@ -81,6 +81,7 @@ class ModelParts(nn.Module):
                 topo=first.topo,
                 reshard_after_forward=first.reshard_after_forward,
                 stack_fqns=frozenset().union(*(r.stack_fqns for r in registries)),
+                matrix_fqns=frozenset().union(*(r.matrix_fqns for r in registries)),
                 parts=registries,
             )
             for registry in registries:

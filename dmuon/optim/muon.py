@@ -16,7 +16,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -27,8 +27,9 @@ from ..dedicated import DedicatedParam, get_registry
 from ..fsdp_patch import is_dedicated
 from ..owner_transfer import from_global_owner
 from ..snapshot import wait_for_snapshots
-from .expert_stacks import muon_scale, orthogonalize_stacks, plan_stacks
+from .expert_stacks import StackPlan, muon_scale, orthogonalize_stacks, plan_stacks
 from .newton_schulz import orthogonalize
+from .sharded_matrices import MatrixPlan, orthogonalize_matrices, plan_matrices
 from .state_fields import (
     ADAMW_GROUP,
     MUON_GROUP,
@@ -41,10 +42,28 @@ from .state_fields import (
 
 __all__ = ["Muon"]
 
+_Plan = TypeVar("_Plan", StackPlan, MatrixPlan)
+
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     """The rank-local storage of a DTensor (a view: in-place updates reach the DTensor)."""
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _or_zeros(held: list[tuple[_Plan, torch.Tensor, torch.Tensor | None]]) -> list[tuple[_Plan, torch.Tensor]]:
+    """Every rank of a mesh takes part in the update, with or without a gradient (a zero one)."""
+    return [(plan, update if update is not None else torch.zeros_like(value)) for plan, value, update in held]
+
+
+def _apply(group: dict, held: list[tuple[tuple[int, int], torch.Tensor, torch.Tensor | None]], done) -> None:
+    """Weight decay and the scaled orthogonalised update on each local piece that had a gradient."""
+    lr, wd = group["lr"], group["weight_decay"]
+    for (matrix, value, update), ortho in zip(held, done):
+        if update is None:
+            continue
+        if wd:
+            value.mul_(1.0 - lr * wd)
+        value.add_(ortho, alpha=-lr * muon_scale(*matrix))
 
 
 class Muon(torch.optim.Optimizer):
@@ -105,13 +124,15 @@ class Muon(torch.optim.Optimizer):
                 self.fqn_of[id(rec.param)] = rec.fqn
                 self.dedicated_of[id(rec.param)] = rec
         stack_names = self.registry.stack_fqns if self.registry is not None else frozenset()
+        matrix_names = self.registry.matrix_fqns if self.registry is not None else frozenset()
         stacks: list[tuple[str, nn.Parameter]] = []
+        matrices: list[tuple[str, nn.Parameter]] = []
         for fqn, param in model.named_parameters():
             if is_dedicated(param) or not param.requires_grad:
                 continue
             name = compat.state_dict_name(fqn)  # checkpoint keys, as state_dict's
-            if name in stack_names:
-                stacks.append((name, param))
+            if name in stack_names or name in matrix_names:
+                (stacks if name in stack_names else matrices).append((name, param))
                 muon_params.append(param)
             else:
                 adamw_params.append(param)
@@ -119,6 +140,8 @@ class Muon(torch.optim.Optimizer):
         # the owners of each expert follow from the stack's layout: refused here, by name, if
         # the update cannot handle it, before any step
         self.stack_plans = {id(param): plan for (_, param), plan in zip(stacks, plan_stacks(stacks).values())}
+        # a sharded matrix's home follows from its layout too (sharded_matrices.py)
+        self.matrix_plans = {id(p): plan for (_, p), plan in zip(matrices, plan_matrices(matrices).values())}
         groups = [
             dict(
                 name=MUON_GROUP,
@@ -313,13 +336,17 @@ class Muon(torch.optim.Optimizer):
 
     def _muon_step(self, group: dict) -> None:
         lr, wd = group["lr"], group["weight_decay"]
-        stacks = []
+        stacks: list[tuple[StackPlan, torch.Tensor, torch.Tensor | None]] = []
+        matrices: list[tuple[MatrixPlan, torch.Tensor, torch.Tensor | None]] = []
         for model_param in group["params"]:
-            param = self.update_target(model_param)
-            plan = self.stack_plans.get(id(model_param))
-            if plan is not None:  # (a stack is no dedicated parameter: its own update target)
-                stacks.append((plan, _local(model_param), self._momentum_update(group, model_param, model_param)))
+            # (a stack or a sharded matrix is not dedicated: its own update target)
+            if (stack := self.stack_plans.get(id(model_param))) is not None:
+                stacks.append((stack, _local(model_param), self._momentum_update(group, model_param, model_param)))
                 continue
+            if (matrix := self.matrix_plans.get(id(model_param))) is not None:
+                matrices.append((matrix, _local(model_param), self._momentum_update(group, model_param, model_param)))
+                continue
+            param = self.update_target(model_param)
             if param is None or param.grad is None:
                 continue
             update = self._momentum_update(group, model_param, param)
@@ -329,16 +356,12 @@ class Muon(torch.optim.Optimizer):
             if wd:
                 param.mul_(1.0 - lr * wd)
             param.add_(ortho, alpha=-lr * muon_scale(rows, update[0].numel()))
-        if not stacks:
-            return
-        # every rank of a stack's mesh takes part, with or without a gradient (a zero update)
-        updates = [(plan, update if update is not None else torch.zeros_like(value)) for plan, value, update in stacks]
-        for (plan, value, update), ortho in zip(stacks, orthogonalize_stacks(updates, group["ns_steps"])):
-            if update is None:
-                continue
-            if wd:
-                value.mul_(1.0 - lr * wd)
-            value.add_(ortho, alpha=-lr * muon_scale(*plan.matrix))
+        if stacks:
+            done = orthogonalize_stacks(_or_zeros(stacks), group["ns_steps"])
+            _apply(group, [(plan.matrix, value, update) for plan, value, update in stacks], done)
+        if matrices:
+            done = orthogonalize_matrices(_or_zeros(matrices), group["ns_steps"])
+            _apply(group, [(plan.matrix, value, update) for plan, value, update in matrices], done)
 
     def _momentum_update(self, group: dict, model_param: torch.Tensor, param: torch.Tensor) -> torch.Tensor | None:
         """Momentum (and Nesterov) on this rank's part of ``param``: the update to orthogonalise."""
