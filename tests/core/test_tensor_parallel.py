@@ -5,7 +5,8 @@ mesh of 4 gloo ranks, torch's tensor-parallel plan then ``fully_shard`` over ``d
 matrices named in ``dedicate_params(sharded_matrices=)``. Checked: the pieces DTensor gives
 each rank assemble to the full matrix and come back; the update equals a single-process Muon
 on the full matrices; five training steps equal the same model on a 1-D FSDP mesh with
-dedicated matrices; the optimizer step's collectives do not grow with the number of matrices.
+dedicated matrices, on dp 2 x tp 2 and on HSDP x TP (2 replicas x tp 2); the optimizer step's
+collectives do not grow with the number of matrices.
 """
 import torch
 import torch.distributed as dist
@@ -38,6 +39,15 @@ def build(layout: str, layers: int = 2):
         dmuon.dedicate_params(model, dp_mesh, lambda f, p: False, sharded_matrices=tp.is_matrix)
         tp.tensor_parallel(model, mesh["tp"])
         share = (mesh.get_coordinate()[0], 2)
+    elif layout == "hsdp2xtp2":  # HSDP x TP: 2 replicas of dp_shard 1, each TP 2
+        mesh = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+        dp_mesh = mesh["dp_replicate", "dp_shard"]
+        replicas = mesh["dp_replicate"]
+        dmuon.dedicate_params(
+            model, mesh["dp_shard"], lambda f, p: False, replicate_mesh=replicas, sharded_matrices=tp.is_matrix
+        )
+        tp.tensor_parallel(model, mesh["tp"])
+        share = (mesh.get_coordinate()[0], 2)
     else:
         dp_mesh = init_device_mesh("cpu", (dist.get_world_size(),))
         if layout == "dp4_dedicated":
@@ -48,6 +58,8 @@ def build(layout: str, layers: int = 2):
     for block in model.layers:
         fully_shard(block, mesh=dp_mesh)
     fully_shard(model, mesh=dp_mesh)
+    if layout == "hsdp2xtp2":
+        assert repr(tuple(model.layers[0].attention.wo.weight.placements)) == "(Replicate(), Shard(dim=0), Shard(dim=1))"
     return model, dmuon.Muon(model, **HPARAMS), full, share
 
 
@@ -171,10 +183,11 @@ def train_worker(rank, world, layout):
         whole = loss.detach().clone()
         dist.all_reduce(whole)  # every rank's share (tensor-parallel ranks hold the same one)
         losses.append(whole.item() / world)
+    homed = sum(1 for plan in opt.matrix_plans.values() if plan.home == plan.rank)
     if layout == "dp4_dedicated":
-        return losses, dmuon.get_model_state_dict(model)
+        return losses, dmuon.get_model_state_dict(model), homed
     # (dmuon's whole-job state dict sees the data mesh only: 2 of the 4 ranks under TP)
-    return losses, {name: value.full_tensor() for name, value in model.state_dict().items()}
+    return losses, {name: value.full_tensor() for name, value in model.state_dict().items()}, homed
 
 
 def test_five_steps_on_dp2_x_tp2_match_a_1d_fsdp_mesh():
@@ -184,11 +197,13 @@ def test_five_steps_on_dp2_x_tp2_match_a_1d_fsdp_mesh():
     summed over TP, the gradients reduced over 2 ranks, not 4): measured 1.2e-7 apart at most
     in any weight after five steps, 1e-7 relative in the losses.
     """
-    layouts = ("dp2xtp2", "dp4_dedicated", "dp4_sharded")
-    results = {layout: run_ranks(train_worker, 4, layout, timeout=90)[0] for layout in layouts}
-    ref_losses, ref_weights = results["dp4_dedicated"]
-    for layout in ("dp2xtp2", "dp4_sharded"):
-        losses, weights = results[layout]
+    layouts = ("dp2xtp2", "dp4_dedicated", "dp4_sharded", "hsdp2xtp2")
+    results = {layout: run_ranks(train_worker, 4, layout, timeout=90) for layout in layouts}
+    ref_losses, ref_weights, _ = results["dp4_dedicated"][0]
+    for layout in ("dp2xtp2", "dp4_sharded", "hsdp2xtp2"):
+        losses, weights, _ = results[layout][0]
+        # each matrix orthogonalised on one rank of the job (with HSDP: of one replica)
+        assert sum(homed for _, _, homed in results[layout]) == 15, layout
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-6, atol=0, msg=layout)
         assert weights.keys() == ref_weights.keys()
         for name, value in weights.items():
