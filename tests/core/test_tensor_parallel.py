@@ -8,6 +8,7 @@ on the full matrices; five training steps equal the same model on a 1-D FSDP mes
 dedicated matrices, on dp 2 x tp 2 and on HSDP x TP (2 replicas x tp 2); the optimizer step's
 collectives do not grow with the number of matrices.
 """
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -208,3 +209,33 @@ def test_five_steps_on_dp2_x_tp2_match_a_1d_fsdp_mesh():
         assert weights.keys() == ref_weights.keys()
         for name, value in weights.items():
             torch.testing.assert_close(value, ref_weights[name], rtol=1e-6, atol=1e-6, msg=f"{layout} {name}")
+
+
+# ---------------------------------------------------------------------------------------------
+# refusals
+# ---------------------------------------------------------------------------------------------
+def test_plans_refuse_layouts_they_cannot_update():
+    from dmuon.optim.sharded_matrices import Block, MatrixLayoutError, _check_tiling, plan_matrices
+
+    assert plan_matrices([("w", torch.zeros(3, 5))])["w"].group is None  # a plain tensor: held whole here
+    with pytest.raises(MatrixLayoutError, match="'v' has shape"):
+        plan_matrices([("v", torch.zeros(4))])
+    rows = [Block(0, 2, 0, 4), Block(2, 2, 0, 4), Block(4, 0, 0, 4)]  # an empty piece (uneven) is fine
+    _check_tiling("m", (4, 4), rows)
+    _check_tiling("m", (4, 4), [Block(r, 2, c, 2) for r in (0, 2) for c in (0, 2)])
+    for bad in ([Block(0, 2, 0, 4), Block(1, 3, 0, 4)], [Block(0, 2, 0, 4)], [Block(0, 2, 0, 2), Block(2, 2, 2, 2)]):
+        with pytest.raises(MatrixLayoutError, match="'m' of shape \\(4, 4\\).*do not tile"):
+            _check_tiling("m", (4, 4), bad)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import DTensor, Partial
+
+        partial = DTensor.from_local(torch.zeros(2, 2), init_device_mesh("cpu", (1,)), [Partial()])
+        with pytest.raises(MatrixLayoutError, match=r"'p' has placement P\(sum\).*partial sum"):
+            plan_matrices([("p", partial)])
+        with pytest.raises(ValueError, match="'bias'.*sharded_matrices.*a matrix is 2-D"):
+            dmuon.dedicate_params(torch.nn.Linear(2, 2), init_device_mesh("cpu", (1,)), lambda f, p: False,
+                                  sharded_matrices=lambda f, p: True)
+    finally:
+        dist.destroy_process_group()
