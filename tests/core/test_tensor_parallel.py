@@ -239,3 +239,88 @@ def test_plans_refuse_layouts_they_cannot_update():
                                   sharded_matrices=lambda f, p: True)
     finally:
         dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------------------------
+# checkpoints: written at dp 2 x tp 2, read at tp 1
+# ---------------------------------------------------------------------------------------------
+def _full(value):
+    return value.full_tensor() if hasattr(value, "full_tensor") else value
+
+
+def momenta(model, opt) -> dict:
+    """Every Muon matrix's momentum, whole, by name (a dedicated one's from its owner)."""
+    from dmuon.dedicated import get_registry
+
+    registry = get_registry(model)
+    out = {}
+    for name, param in model.named_parameters():
+        rec = registry.records.get(name)
+        if rec is None and param.ndim == 2:
+            out[name] = _full(opt.state[param]["momentum_buffer"])
+        elif rec is not None:  # a dedicated matrix: the full buffer on its owner, sent to every rank
+            full = torch.zeros(rec.shape)
+            if rec.is_global_owner:
+                full.copy_(opt.state[param]["momentum_buffer"])
+            dist.all_reduce(full)
+            out[name] = full
+    return out
+
+
+def weights(model, layout) -> dict:
+    if layout == "dp4_dedicated":
+        return dmuon.get_model_state_dict(model, rank0_only=False)
+    return {name: _full(value) for name, value in model.state_dict().items()}
+
+
+def checkpoint_worker(rank, world, path, door, layout, role):
+    """``role`` "save": three steps, then a checkpoint; "load": other initial values, then the load."""
+    import torch.distributed.checkpoint as dcp
+
+    if role == "save":
+        model, opt, _, (index, parts) = build(layout)
+        for step in range(3):
+            x, y = tp.batch(step)
+            per = x.shape[0] // parts
+            tp.loss_of(model(x[index * per : (index + 1) * per]), y[index * per : (index + 1) * per]).backward()
+            opt.step()
+            opt.zero_grad()
+        if door == "dmuon":
+            dmuon.dcp.save(model, opt, path)
+        else:
+            dcp.save(model.state_dict(), checkpoint_id=path)
+    else:
+        torch.manual_seed(1)
+        model, opt, _, _ = build(layout)  # other initial values: the load must replace them
+        if door == "dmuon":
+            dmuon.dcp.load(model, opt, path)
+        else:
+            state = model.state_dict()
+            dcp.load(state, checkpoint_id=path)
+            model.load_state_dict(state)
+    return weights(model, layout), momenta(model, opt) if door == "dmuon" else {}
+
+
+def _restores(path: str, door: str, saved_at: str, loads_at: tuple[str, ...]) -> None:
+    saved_weights, saved_momenta = run_ranks(checkpoint_worker, 4, path, door, saved_at, "save", timeout=90)[0]
+    assert len(saved_momenta) == (15 if door == "dmuon" else 0)
+    for layout in loads_at:
+        loaded_weights, loaded_momenta = run_ranks(checkpoint_worker, 4, path, door, layout, "load", timeout=90)[0]
+        assert loaded_weights.keys() == saved_weights.keys()
+        for name, value in saved_weights.items():
+            assert torch.equal(loaded_weights[name], value), (door, layout, name)
+        assert loaded_momenta.keys() == saved_momenta.keys()
+        for name, value in saved_momenta.items():
+            assert torch.equal(loaded_momenta[name], value), (door, layout, name)
+
+
+def test_a_tp_checkpoint_loads_at_tp_1_model_and_momentum_exact(tmp_path):
+    """TP 2 -> 1, through dmuon.dcp (model and optimizer) and torch's dcp (the model's state
+    dict): into dedicated matrices and into FSDP2's own pieces."""
+    _restores(str(tmp_path / "dmuon"), "dmuon", "dp2xtp2", ("dp4_dedicated", "dp4_sharded"))
+    _restores(str(tmp_path / "torch"), "torch", "dp2xtp2", ("dp4_dedicated",))
+
+
+def test_a_tp_1_checkpoint_loads_at_tp_2_and_hsdp_x_tp(tmp_path):
+    """TP 1 -> 2 (dedicated matrices on dp 4 to dp 2 x tp 2 and to 2 replicas x tp 2)."""
+    _restores(str(tmp_path / "dmuon"), "dmuon", "dp4_dedicated", ("dp2xtp2", "hsdp2xtp2"))
