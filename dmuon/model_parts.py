@@ -127,10 +127,16 @@ class ModelParts(nn.Module):
 
 def mesh_smaller_than_job(model: nn.Module) -> int | None:
     """The size of a mesh of ``model``'s (dedicated or DTensor parameters) that does not span
-    the whole job, as a pipeline stage's does; None when every mesh spans it."""
+    the whole job, as a pipeline stage's does; None when the model spans it.
+
+    Under tensor parallelism the data mesh is one slice of the job per TP rank, each holding
+    the same values, while the TP-sharded matrices span it: a model with one mesh that spans
+    the job spans it."""
     if not dist.is_initialized():
         return None
     world = dist.get_world_size()
     sizes = [rec.topo.world_size for rec in get_registry(model) or ()]
     sizes += [p.device_mesh.size() for p in model.parameters() if isinstance(p, DTensor)]
+    if world in sizes:
+        return None
     return next((size for size in sizes if size != world), None)

@@ -63,8 +63,8 @@ def _gather_dtensor_to_rank0(tensor: DTensor) -> torch.Tensor | None:
         full = tensor.full_tensor()
         return full if _rank() == 0 else None
     where0 = (mesh.mesh == 0).nonzero()
-    if where0.numel() == 0:
-        raise RuntimeError("global rank 0 is not in the FSDP2 mesh; use rank0_only=False")
+    if where0.numel() == 0:  # a data-parallel slice of TP rank > 0: TP rank 0's slice holds it too
+        return None
     coord0 = where0[0].tolist()
     mine = mesh.get_coordinate()
     assert mine is not None  # every rank of an FSDP2 mesh has a coordinate
@@ -360,18 +360,18 @@ def set_optimizer_state_dict(model: nn.Module, optimizer: Muon, state_dict: Mapp
         if section not in state_dict:
             raise StateDictError(f"set_optimizer_state_dict: the state dict has no {section!r} section")
     problems: list[str] = []
+    # a matrix dedicated in one job is a sharded (TP) one in another: either section will do
+    entries = {**state_dict["dedicated"], **state_dict["fsdp2"]}
     fsdp_params = list(optimizer.plain_params())
     for fqn, param in fsdp_params:
         shapes = {name: tuple(t.shape) for name, t in optimizer.state[param].items()}
-        _check_entry(problems, "fsdp2", fqn, state_dict["fsdp2"].get(fqn), shapes)
+        _check_entry(problems, "fsdp2", fqn, entries.get(fqn), shapes)
     dedicated_recs = [rec for rec in registry or () if rec.trainable]
     for rec in dedicated_recs:
         shapes = {name: state_field_shape(kind, rec.shape) for name, kind in state_fields(rec).items()}
-        _check_entry(problems, "dedicated", rec.fqn, state_dict["dedicated"].get(rec.fqn), shapes)
-    known = {fqn for fqn, _ in fsdp_params}
-    problems += [f"  unexpected fsdp2 entry {k}" for k in state_dict["fsdp2"] if k not in known]
-    known = {rec.fqn for rec in dedicated_recs}
-    problems += [f"  unexpected dedicated entry {k}" for k in state_dict["dedicated"] if k not in known]
+        _check_entry(problems, "dedicated", rec.fqn, entries.get(rec.fqn), shapes)
+    known = {fqn for fqn, _ in fsdp_params} | {rec.fqn for rec in dedicated_recs}
+    problems += [f"  unexpected entry {k}" for k in entries if k not in known]
     groups = {g.get("name"): g for g in state_dict.get("param_groups", [])}
     problems += [f"  unknown param group {name!r}" for name in groups if name not in (MUON_GROUP, ADAMW_GROUP)]
     if problems:
@@ -381,11 +381,11 @@ def set_optimizer_state_dict(model: nn.Module, optimizer: Muon, state_dict: Mapp
     with torch.no_grad():
         for fqn, param in fsdp_params:
             for name, target in optimizer.state[param].items():
-                _copy_into(target, state_dict["fsdp2"][fqn][name])
+                _copy_into(target, entries[fqn][name])
         for rec in dedicated_recs:
             if rec.is_global_owner:
                 for name, target in optimizer.state[rec.param].items():
-                    _copy_into(target, state_dict["dedicated"][rec.fqn][name])
+                    _copy_into(target, entries[rec.fqn][name])
     restore_hyperparameters(optimizer, groups)
 
 

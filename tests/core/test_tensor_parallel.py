@@ -287,6 +287,10 @@ def checkpoint_worker(rank, world, path, door, layout, role):
             opt.zero_grad()
         if door == "dmuon":
             dmuon.dcp.save(model, opt, path)
+        elif door == "flat":  # dmuon's flat dicts, gathered on rank 0
+            flat = {"model": dmuon.get_model_state_dict(model), "optim": dmuon.get_optimizer_state_dict(model, opt)}
+            if rank == 0:
+                torch.save(flat, path)
         else:
             dcp.save(model.state_dict(), checkpoint_id=path)
     else:
@@ -294,16 +298,20 @@ def checkpoint_worker(rank, world, path, door, layout, role):
         model, opt, _, _ = build(layout)  # other initial values: the load must replace them
         if door == "dmuon":
             dmuon.dcp.load(model, opt, path)
+        elif door == "flat":
+            flat = torch.load(path, weights_only=False)
+            dmuon.set_model_state_dict(model, flat["model"])
+            dmuon.set_optimizer_state_dict(model, opt, flat["optim"])
         else:
             state = model.state_dict()
             dcp.load(state, checkpoint_id=path)
             model.load_state_dict(state)
-    return weights(model, layout), momenta(model, opt) if door == "dmuon" else {}
+    return weights(model, layout), momenta(model, opt) if door != "torch" else {}
 
 
 def _restores(path: str, door: str, saved_at: str, loads_at: tuple[str, ...]) -> None:
     saved_weights, saved_momenta = run_ranks(checkpoint_worker, 4, path, door, saved_at, "save", timeout=90)[0]
-    assert len(saved_momenta) == (15 if door == "dmuon" else 0)
+    assert len(saved_momenta) == (0 if door == "torch" else 15)
     for layout in loads_at:
         loaded_weights, loaded_momenta = run_ranks(checkpoint_worker, 4, path, door, layout, "load", timeout=90)[0]
         assert loaded_weights.keys() == saved_weights.keys()
@@ -319,6 +327,13 @@ def test_a_tp_checkpoint_loads_at_tp_1_model_and_momentum_exact(tmp_path):
     dict): into dedicated matrices and into FSDP2's own pieces."""
     _restores(str(tmp_path / "dmuon"), "dmuon", "dp2xtp2", ("dp4_dedicated", "dp4_sharded"))
     _restores(str(tmp_path / "torch"), "torch", "dp2xtp2", ("dp4_dedicated",))
+
+
+def test_flat_state_dicts_move_between_tp_2_and_tp_1_model_and_momentum_exact(tmp_path):
+    """dmuon's flat dicts (gathered on rank 0): a matrix's momentum comes under "fsdp2" from a
+    TP job and under "dedicated" from a job that dedicates it; either loads into the other."""
+    _restores(str(tmp_path / "tp2.pt"), "flat", "dp2xtp2", ("dp4_dedicated",))
+    _restores(str(tmp_path / "tp1.pt"), "flat", "dp4_dedicated", ("dp2xtp2",))
 
 
 def test_a_tp_1_checkpoint_loads_at_tp_2_and_hsdp_x_tp(tmp_path):
