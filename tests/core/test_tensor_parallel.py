@@ -34,12 +34,14 @@ def build(layout: str, layers: int = 2):
     torch.manual_seed(0)
     model = tp.Tiny(layers)
     full = {name: p.detach().clone() for name, p in model.named_parameters()}
-    if layout == "dp2xtp2":
+    if layout in ("dp2xtp2", "dp2xtp2_sp"):
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))
         dp_mesh = mesh["dp_shard"]
         dmuon.dedicate_params(model, dp_mesh, lambda f, p: False, sharded_matrices=tp.is_matrix)
-        tp.tensor_parallel(model, mesh["tp"])
-        share = (mesh.get_coordinate()[0], 2)
+        sequence_parallel = layout == "dp2xtp2_sp"
+        tp.tensor_parallel(model, mesh["tp"], sequence_parallel=sequence_parallel)
+        dp, tp_rank = mesh.get_coordinate()
+        share = tp.Share(dp, 2, tp_rank, 2) if sequence_parallel else tp.Share(dp, 2)
     elif layout == "hsdp2xtp2":  # HSDP x TP: 2 replicas of dp_shard 1, each TP 2
         mesh = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
         dp_mesh = mesh["dp_replicate", "dp_shard"]
@@ -48,14 +50,14 @@ def build(layout: str, layers: int = 2):
             model, mesh["dp_shard"], lambda f, p: False, replicate_mesh=replicas, sharded_matrices=tp.is_matrix
         )
         tp.tensor_parallel(model, mesh["tp"])
-        share = (mesh.get_coordinate()[0], 2)
+        share = tp.Share(mesh.get_coordinate()[0], 2)
     else:
         dp_mesh = init_device_mesh("cpu", (dist.get_world_size(),))
         if layout == "dp4_dedicated":
             dmuon.dedicate_params(model, dp_mesh, tp.is_matrix)
         else:  # "dp4_sharded": FSDP2's Shard(0) pieces, assembled on homes as TP pieces are
             dmuon.dedicate_params(model, dp_mesh, lambda f, p: False, sharded_matrices=tp.is_matrix)
-        share = (dist.get_rank(), dist.get_world_size())
+        share = tp.Share(dist.get_rank(), dist.get_world_size())
     for block in model.layers:
         fully_shard(block, mesh=dp_mesh)
     fully_shard(model, mesh=dp_mesh)
@@ -150,10 +152,8 @@ def test_pieces_assemble_on_homes_and_the_update_is_single_process_muon():
 
 def collectives_worker(rank, world, layers):
     model, opt, _, share = build("dp2xtp2", layers)
-    x, y = tp.batch(0)
-    index, parts = share
-    per = x.shape[0] // parts
-    tp.loss_of(model(x[index * per : (index + 1) * per]), y[index * per : (index + 1) * per]).backward()
+    x, y = share.inputs(0)
+    tp.loss_of(model(x), y).backward()
     calls: list[str] = []
     restore = count_collectives(calls)
     opt.step()
@@ -172,12 +172,11 @@ def test_collectives_per_step_do_not_grow_with_the_number_of_matrices():
 # training: dp 2 x tp 2 against the same model on a 1-D FSDP mesh
 # ---------------------------------------------------------------------------------------------
 def train_worker(rank, world, layout):
-    model, opt, _, (index, parts) = build(layout)
+    model, opt, _, share = build(layout)
     losses = []
     for step in range(STEPS):
-        x, y = tp.batch(step)
-        per = x.shape[0] // parts
-        loss = tp.loss_of(model(x[index * per : (index + 1) * per]), y[index * per : (index + 1) * per])
+        x, y = share.inputs(step)
+        loss = tp.loss_of(model(x), y)
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -198,10 +197,10 @@ def test_five_steps_on_dp2_x_tp2_match_a_1d_fsdp_mesh():
     summed over TP, the gradients reduced over 2 ranks, not 4): measured 1.2e-7 apart at most
     in any weight after five steps, 1e-7 relative in the losses.
     """
-    layouts = ("dp2xtp2", "dp4_dedicated", "dp4_sharded", "hsdp2xtp2")
+    layouts = ("dp2xtp2", "dp4_dedicated", "dp4_sharded", "hsdp2xtp2", "dp2xtp2_sp")
     results = {layout: run_ranks(train_worker, 4, layout, timeout=90) for layout in layouts}
     ref_losses, ref_weights, _ = results["dp4_dedicated"][0]
-    for layout in ("dp2xtp2", "dp4_sharded", "hsdp2xtp2"):
+    for layout in ("dp2xtp2", "dp4_sharded", "hsdp2xtp2", "dp2xtp2_sp"):
         losses, weights, _ = results[layout][0]
         # each matrix orthogonalised on one rank of the job (with HSDP: of one replica)
         assert sum(homed for _, _, homed in results[layout]) == 15, layout
@@ -278,11 +277,10 @@ def checkpoint_worker(rank, world, path, door, layout, role):
     import torch.distributed.checkpoint as dcp
 
     if role == "save":
-        model, opt, _, (index, parts) = build(layout)
+        model, opt, _, share = build(layout)
         for step in range(3):
-            x, y = tp.batch(step)
-            per = x.shape[0] // parts
-            tp.loss_of(model(x[index * per : (index + 1) * per]), y[index * per : (index + 1) * per]).backward()
+            x, y = share.inputs(step)
+            tp.loss_of(model(x), y).backward()
             opt.step()
             opt.zero_grad()
         if door == "dmuon":

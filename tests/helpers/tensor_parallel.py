@@ -11,6 +11,8 @@ unevenly (11 + 10).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -76,17 +78,52 @@ def is_matrix(fqn: str, param) -> bool:
     return param.ndim == 2
 
 
-def tensor_parallel(model: Tiny, tp_mesh) -> None:
-    """torchtitan's Llama 3 plan (no sequence parallelism, no loss parallelism)."""
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+def tensor_parallel(model: Tiny, tp_mesh, *, sequence_parallel: bool = False) -> None:
+    """torchtitan's Llama 3 plan (no loss parallelism), with or without sequence parallelism.
 
-    parallelize_module(model, tp_mesh, {"output": ColwiseParallel(output_layouts=Replicate())})
+    With it the norms work on this rank's positions of the sequence (``Shard(1)``): the model's
+    input is this rank's positions, and the blocks gather the sequence before attention and
+    the MLP and scatter it after (as torchtitan's plan did with ``parallelize_module``).
+    """
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
 
+    top = {"output": ColwiseParallel(output_layouts=Replicate())}
     plan = {name: ColwiseParallel() for name in COLWISE}
     plan.update({name: RowwiseParallel() for name in ROWWISE})
+    if sequence_parallel:
+        top = {"norm": SequenceParallel(), "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())}
+        gather = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+        plan.update({name: RowwiseParallel(output_layouts=Shard(1)) for name in ROWWISE})
+        plan.update(attention_norm=SequenceParallel(), ffn_norm=SequenceParallel(), attention=gather,
+                    feed_forward=gather)
+    parallelize_module(model, tp_mesh, top)
     for block in model.layers:
         parallelize_module(block, tp_mesh, plan)
+
+
+@dataclass(frozen=True)
+class Share:
+    """This rank's part of the job's batch: its data-parallel rows and, under sequence
+    parallelism, its tensor-parallel rank's positions of the input."""
+
+    index: int
+    parts: int
+    seq_index: int = 0
+    seq_parts: int = 1
+
+    def inputs(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = batch(step)
+        per = x.shape[0] // self.parts
+        x, y = x[self.index * per : (self.index + 1) * per], y[self.index * per : (self.index + 1) * per]
+        positions = x.shape[1] // self.seq_parts
+        return x[:, self.seq_index * positions : (self.seq_index + 1) * positions], y
 
 
 def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
