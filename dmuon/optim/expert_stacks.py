@@ -36,6 +36,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Replicate, Shard
 
 from .. import compat
+from .homes import newton_schulz_cost, spread_homes
 from .newton_schulz import orthogonalize
 
 __all__ = ["StackLayoutError", "StackPlan", "muon_scale", "orthogonalize_stacks", "plan_stacks"]
@@ -50,29 +51,10 @@ def muon_scale(rows: int, cols: int) -> float:
     return 0.2 * math.sqrt(max(rows, cols))
 
 
-def newton_schulz_cost(rows: int, cols: int) -> int:
-    """Relative cost of orthogonalising one matrix: its Gram products, ``small^2 * large``."""
-    small, large = min(rows, cols), max(rows, cols)
-    return small * small * large
-
-
 def _chunk_sizes(total: int, parts: int) -> list[int]:
     """How ``torch.chunk`` (and so FSDP2 and DTensor's ``Shard``) cut ``total`` into ``parts``."""
     step = -(-total // parts) if total else 0
     return [max(0, min(step, total - i * step)) for i in range(parts)]
-
-
-def _spread(count: int, cost: int, loads: list[int]) -> list[int]:
-    """Homes for ``count`` equal items: each to the least loaded member, ties to the lowest.
-
-    ``loads`` is updated: it carries the balance across the stacks that share the members.
-    """
-    homes = []
-    for _ in range(count):
-        member = min(range(len(loads)), key=lambda m: (loads[m], m))
-        loads[member] += cost
-        homes.append(member)
-    return homes
 
 
 @dataclass(frozen=True)
@@ -187,7 +169,7 @@ def plan_stacks(stacks: Sequence[tuple[str, torch.Tensor]]) -> dict[str, StackPl
             fields.update(
                 split_dim=split_dim,
                 tensor_dim=tensor_dim,
-                split_homes=tuple(_spread(plan.local_experts, cost, loads)),
+                split_homes=tuple(spread_homes(plan.local_experts, cost, loads)),
                 piece_sizes=tuple(sizes),
                 split_group=mesh.get_group(split_dim),
                 split_rank=coordinate[split_dim],
@@ -198,7 +180,7 @@ def plan_stacks(stacks: Sequence[tuple[str, torch.Tensor]]) -> dict[str, StackPl
             loads = replica_loads.setdefault((id(mesh), replica_dim, split_dim), [0] * members)
             fields.update(
                 replica_dim=replica_dim,
-                replica_homes=tuple(_spread(plan.held_whole(), cost, loads)),
+                replica_homes=tuple(spread_homes(plan.held_whole(), cost, loads)),
                 replica_group=mesh.get_group(replica_dim),
                 replica_rank=coordinate[replica_dim],
             )

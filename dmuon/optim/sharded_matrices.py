@@ -38,7 +38,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from torch.distributed.tensor.placement_types import Replicate, Shard
 
 from .. import compat
-from .expert_stacks import _spread, newton_schulz_cost
+from .homes import newton_schulz_cost, spread_homes
 from .newton_schulz import orthogonalize
 
 __all__ = ["MatrixLayoutError", "MatrixPlan", "orthogonalize_matrices", "plan_matrices"]
@@ -212,7 +212,7 @@ def plan_matrices(matrices: Sequence[tuple[str, torch.Tensor]]) -> dict[str, Mat
             loads[key] = [0] * len(meshes[key].coordinates)
         ranks = meshes[key]
         blocks = _blocks(fqn, param, ranks)
-        home = _spread(1, newton_schulz_cost(*shape), loads[key])[0]
+        home = spread_homes(1, newton_schulz_cost(*shape), loads[key])[0]
         home_at = ranks.coordinates[home]
         sources = frozenset(g for g, at in enumerate(ranks.coordinates) if all(at[d] == home_at[d] for d in replicated))
         _check_tiling(fqn, shape, [blocks[g] for g in sorted(sources)])

@@ -14,7 +14,8 @@ from torch import nn
 
 import dmuon
 from dmuon.dedicated import get_registry
-from dmuon.optim.expert_stacks import StackLayoutError, newton_schulz_cost, plan_stacks
+from dmuon.optim.expert_stacks import StackLayoutError, plan_stacks
+from dmuon.optim.homes import newton_schulz_cost
 from tests.helpers.launch import run_ranks
 from tests.helpers.reference import HPARAMS, ReferenceOptimizer
 

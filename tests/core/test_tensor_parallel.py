@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 import dmuon
-from dmuon.optim.expert_stacks import newton_schulz_cost
+from dmuon.optim.homes import newton_schulz_cost
 from tests.helpers import tensor_parallel as tp
 from tests.helpers.launch import run_ranks
 from tests.helpers.reference import HPARAMS, ReferenceOptimizer
