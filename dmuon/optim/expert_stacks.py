@@ -36,7 +36,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Replicate, Shard
 
 from .. import compat
-from .homes import newton_schulz_cost, spread_homes
+from .homes import mesh_key, newton_schulz_cost, spread_homes
 from .newton_schulz import orthogonalize
 
 __all__ = ["StackLayoutError", "StackPlan", "muon_scale", "orthogonalize_stacks", "plan_stacks"]
@@ -159,7 +159,7 @@ def plan_stacks(stacks: Sequence[tuple[str, torch.Tensor]]) -> dict[str, StackPl
         fields: dict = {}
         if split_dim is not None:
             members = mesh.size(split_dim)
-            loads = split_loads.setdefault((id(mesh), split_dim), [0] * members)
+            loads = split_loads.setdefault((mesh_key(mesh), split_dim), [0] * members)
             sizes = _chunk_sizes(shape[tensor_dim], members)
             if int(local.shape[tensor_dim]) != sizes[coordinate[split_dim]]:
                 raise StackLayoutError(
@@ -177,7 +177,7 @@ def plan_stacks(stacks: Sequence[tuple[str, torch.Tensor]]) -> dict[str, StackPl
             plan = StackPlan(fqn, shape, plan.local_experts, **fields)
         if replica_dim is not None:
             members = mesh.size(replica_dim)
-            loads = replica_loads.setdefault((id(mesh), replica_dim, split_dim), [0] * members)
+            loads = replica_loads.setdefault((mesh_key(mesh), replica_dim, split_dim), [0] * members)
             fields.update(
                 replica_dim=replica_dim,
                 replica_homes=tuple(spread_homes(plan.held_whole(), cost, loads)),

@@ -9,7 +9,17 @@ the layout allows.
 
 from __future__ import annotations
 
-__all__ = ["newton_schulz_cost", "spread_homes"]
+from typing import Any
+
+__all__ = ["mesh_key", "newton_schulz_cost", "spread_homes"]
+
+
+def mesh_key(mesh: Any) -> tuple:
+    """A device mesh by its shape and ranks, not its object: the balance of homes is kept per
+    set of ranks, and each ``fully_shard`` call (under expert or tensor parallelism) holds a
+    mesh object of its own; keyed by object, the balance would start afresh at every layer,
+    every layer's first matrix homed on the same rank."""
+    return tuple(mesh.shape), tuple(mesh.mesh.flatten().tolist())
 
 
 def newton_schulz_cost(rows: int, cols: int) -> int:

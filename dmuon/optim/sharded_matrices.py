@@ -38,7 +38,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from torch.distributed.tensor.placement_types import Replicate, Shard
 
 from .. import compat
-from .homes import newton_schulz_cost, spread_homes
+from .homes import mesh_key, newton_schulz_cost, spread_homes
 from .newton_schulz import orthogonalize
 
 __all__ = ["MatrixLayoutError", "MatrixPlan", "orthogonalize_matrices", "plan_matrices"]
@@ -205,8 +205,7 @@ def plan_matrices(matrices: Sequence[tuple[str, torch.Tensor]]) -> dict[str, Mat
             continue
         mesh = param.device_mesh
         replicated = _replicated_dims(fqn, param)
-        # by its ranks, not its object: each fully_shard call holds a mesh object of its own
-        key = (tuple(mesh.shape), tuple(mesh.mesh.flatten().tolist()))
+        key = mesh_key(mesh)
         if key not in meshes:
             meshes[key] = _mesh_ranks(mesh)
             loads[key] = [0] * len(meshes[key].coordinates)

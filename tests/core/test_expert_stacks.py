@@ -189,3 +189,19 @@ def test_plans_spread_experts_by_cost_and_refuse_partial_sums():
     assert newton_schulz_cost(8, 16) == newton_schulz_cost(16, 8) == 8 * 8 * 16
     with pytest.raises(StackLayoutError, match="'b' has shape"):
         plan_stacks([("b", torch.zeros(4, 8))])
+
+
+def per_layer_meshes_worker(rank, world):
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    stacks = []
+    for layer in range(4):  # a mesh object per layer over the same ranks, as fully_shard per block makes
+        mesh = DeviceMesh("cpu", list(range(world)))
+        stacks.append((f"layers.{layer}.w", distribute_tensor(torch.zeros(1, 8, 16), mesh, [Shard(1)])))
+    return [plan.split_homes for plan in plan_stacks(stacks).values()]
+
+
+def test_the_balance_of_homes_spans_layers_whose_meshes_are_separate_objects():
+    homes = run_ranks(per_layer_meshes_worker, 2, timeout=60)
+    assert homes[0] == homes[1] == [(0,), (1,), (0,), (1,)]  # not every layer's expert on rank 0
