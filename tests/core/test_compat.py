@@ -189,8 +189,20 @@ def test_compat_names_are_all_exercised():
               "FSDP_PATCH_MODULE", "FSDP_PATCH_TARGET", "state_dict_request", "StateDictRequest", "TorchCompatError",
               "missing_features", "require_all", "tree_flatten", "PICKLED_METADATA_GLOBALS", "planner_flat_state",
               "set_planner_flat_state", "planner_mappings", "planner_nested_state", "optimizer_load_state_dict_hooks",
-              "is_strided_shard"}
+              "is_strided_shard", "local_shape_and_offset"}
     assert set(compat.__all__) == tested
+
+
+def test_local_shape_and_offset_places_any_ranks_piece_without_a_process_group():
+    from torch.distributed.tensor.placement_types import Replicate, Shard
+
+    # a 43 x 16 matrix on a 2 x 2 mesh, rows cut on mesh dim 0 (22 + 21), columns on dim 1
+    pieces = {(r, c): compat.local_shape_and_offset((43, 16), (2, 2), [r, c], (Shard(0), Shard(1)))
+              for r in range(2) for c in range(2)}
+    assert [(tuple(size), tuple(offset)) for size, offset in pieces.values()] == [
+        ((22, 8), (0, 0)), ((22, 8), (0, 8)), ((21, 8), (22, 0)), ((21, 8), (22, 8))]
+    size, offset = compat.local_shape_and_offset((43, 16), (2, 2), [1, 1], (Replicate(), Shard(0)))
+    assert (tuple(size), tuple(offset)) == ((21, 16), (22, 0))
 
 
 # A torch that lacks the private names: a subprocess hides them from dmuon's import (and puts
