@@ -121,22 +121,21 @@ def dedicate_params(
     stacks: list[tuple[str, tuple[int, ...]]] = []
     locations = _locations(model)
     matrices: list[tuple[str, tuple[int, ...]]] = []
+    # (argument, its selector, what it selects, the rank that must have, what that rank means)
+    kinds = (
+        ("sharded_matrices", sharded_matrices, matrices, 2, "a matrix is 2-D"),
+        ("expert_stacks", expert_stacks, stacks, 3, "an expert stack is [experts, rows, cols]"),
+    )
     for name, param in model.named_parameters():
         fqn = compat.state_dict_name(name)
-        if sharded_matrices is not None and sharded_matrices(fqn, param):
-            if param.ndim != 2:
+        kind = next((k for k in kinds if k[1] is not None and k[1](fqn, param)), None)
+        if kind is not None:
+            which, _, chosen, ndim, meaning = kind
+            if param.ndim != ndim:
                 raise ValueError(
-                    f"dedicate_params: {fqn!r} was selected by sharded_matrices with shape {tuple(param.shape)}; "
-                    "a matrix is 2-D"
+                    f"dedicate_params: {fqn!r} was selected by {which} with shape {tuple(param.shape)}; {meaning}"
                 )
-            matrices.append((fqn, tuple(param.shape)))
-        elif expert_stacks is not None and expert_stacks(fqn, param):
-            if param.ndim != 3:
-                raise ValueError(
-                    f"dedicate_params: {fqn!r} was selected by expert_stacks with shape {tuple(param.shape)}; "
-                    "an expert stack is [experts, rows, cols]"
-                )
-            stacks.append((fqn, tuple(param.shape)))
+            chosen.append((fqn, tuple(param.shape)))
         elif predicate(fqn, param):
             _refuse_unnamed_stack(fqn, param, locations[id(param)][0][0])
             selected.append((fqn, param))
