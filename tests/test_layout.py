@@ -284,3 +284,25 @@ def test_the_map_names_every_module():
     unlisted = [name for name, path in MODULES.items()
                 if path.name != "__init__.py" and f"`{path.name}`" not in text and f"{path.name}`" not in text]
     assert unlisted == [], unlisted
+
+
+def _private_torch_imports(path: Path) -> set[str]:
+    """``torch...`` modules with a private component, and private names imported from torch."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "torch":
+            parts = node.module.split(".")
+            found |= {node.module for part in parts if part.startswith("_")}
+            found |= {f"{node.module}.{alias.name}" for alias in node.names
+                      if alias.name.startswith("_") and not alias.name.startswith("__")}
+        elif isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names
+                      if alias.name.split(".")[0] == "torch" and any(p.startswith("_") for p in alias.name.split("."))}
+    return found
+
+
+def test_private_torch_names_are_reached_through_compat_only():
+    """compat.py checks each private name against the installed torch and fails loudly by
+    feature; one imported elsewhere would break with an ImportError at import time instead."""
+    found = {name: _private_torch_imports(path) for name, path in MODULES.items() if name != "dmuon.compat"}
+    assert {name: imports for name, imports in found.items() if imports} == {}

@@ -34,7 +34,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import Replicate, Shard
 
 from .. import compat
@@ -137,14 +136,16 @@ def _replicated_dims(fqn: str, param: DTensor) -> list[int]:
 
 def _blocks(fqn: str, param: DTensor, ranks: _MeshRanks) -> tuple[Block, ...]:
     """Every group rank's piece, by DTensor's local shape and global offset; this rank's is
-    checked against its local tensor and torch's public computation."""
+    checked against its local tensor and its own mesh coordinate."""
     mesh, placements, shape = param.device_mesh, tuple(param.placements), tuple(param.shape)
     blocks = []
     for coordinate in ranks.coordinates:
         size, offset = compat.local_shape_and_offset(shape, tuple(mesh.shape), list(coordinate), placements)
         blocks.append(Block(int(offset[0]), int(size[0]), int(offset[1]), int(size[1])))
     mine = blocks[ranks.rank]
-    size, offset = compute_local_shape_and_global_offset(param.shape, mesh, placements)
+    coordinate = mesh.get_coordinate()
+    assert coordinate is not None  # (a rank of the mesh: its parameter is a DTensor on it)
+    size, offset = compat.local_shape_and_offset(shape, tuple(mesh.shape), list(coordinate), placements)
     local = tuple(param.to_local().shape)
     if (mine.rows, mine.cols) != local or tuple(size) != local or (mine.row, mine.col) != tuple(offset):
         raise MatrixLayoutError(
