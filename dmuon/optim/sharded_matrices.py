@@ -143,9 +143,9 @@ def _blocks(fqn: str, param: DTensor, ranks: _MeshRanks) -> tuple[Block, ...]:
         size, offset = compat.local_shape_and_offset(shape, tuple(mesh.shape), list(coordinate), placements)
         blocks.append(Block(int(offset[0]), int(size[0]), int(offset[1]), int(size[1])))
     mine = blocks[ranks.rank]
-    coordinate = mesh.get_coordinate()
-    assert coordinate is not None  # (a rank of the mesh: its parameter is a DTensor on it)
-    size, offset = compat.local_shape_and_offset(shape, tuple(mesh.shape), list(coordinate), placements)
+    own = mesh.get_coordinate()
+    assert own is not None  # (a rank of the mesh: its parameter is a DTensor on it)
+    size, offset = compat.local_shape_and_offset(shape, tuple(mesh.shape), list(own), placements)
     local = tuple(param.to_local().shape)
     if (mine.rows, mine.cols) != local or tuple(size) != local or (mine.row, mine.col) != tuple(offset):
         raise MatrixLayoutError(
