@@ -26,24 +26,30 @@ legs=("$@")
 [ ${#legs[@]} -gt 0 ] || legs=(system 3.10 3.13 torch-2.14.1)
 legs_dir=${DMUON_LEGS_DIR:-/tmp/dmuon-ci-legs}
 
-# What a Python's checkpoints touch: the runtime, every save and load entry point, resume,
-# the manager, the end of a job with a save in flight, the metadata allow-list and the
-# fixtures written on other Pythons; on local disk (object stores: the main suite).
+# What differs between Pythons: pickles (the metadata allow-list, the fixtures written on
+# other Pythons), exceptions carried between ranks, the interpreter's exit with a save in
+# flight; and the runtime and every save and load entry point once. On local disk (object
+# stores: the main suite). Resume and the manager are the same code on every Python: the
+# main suite runs them.
 TESTS=(
     tests/core/test_state_dict.py tests/core/test_runtime_cases.py tests/core/test_compat.py
-    tests/dcp/test_format_compat.py tests/dcp/test_fault_hostile.py tests/dcp/test_resume.py
-    tests/dcp/test_entry_points.py tests/dcp/test_async.py tests/dcp/test_manager.py
-    tests/dcp/test_async_exit.py
+    tests/dcp/test_format_compat.py tests/dcp/test_fault_hostile.py
+    tests/dcp/test_entry_points.py tests/dcp/test_async.py tests/dcp/test_async_exit.py
     -k "not s3 and not rgw and not gcs"
 )
 # What a torch release's private names touch (dmuon/compat.py, fsdp_patch.py, exit_guard.py):
-# the runtime and its state-dict hooks, every entry point, async saves and their exit guard,
-# torch's own readers and writers, resume, the fixtures, the plan cache, torchtitan.
+# every compat name, the runtime and its state-dict hooks (meta init, compile, tensor-parallel
+# matrices), every entry point, async saves and their exit guard, torch's own readers and
+# writers, resume, the fixtures, the plan cache, torchtitan's trainer. Not the pipeline and
+# expert-parallel torchtitan runs (torch's public schedules, minutes each: the main suite).
 TORCH_TESTS=(
-    tests/core
+    tests/core/test_compat.py tests/core/test_state_dict.py tests/core/test_runtime_cases.py
+    tests/core/test_meta_init.py tests/core/test_compile.py tests/core/test_exit_guard_release.py
+    tests/core/test_tensor_parallel.py
     tests/dcp/test_entry_points.py tests/dcp/test_async.py tests/dcp/test_async_exit.py
     tests/dcp/test_torch_compat.py tests/dcp/test_resume.py tests/dcp/test_format_compat.py
-    tests/dcp/test_plan_cache.py tests/integrations
+    tests/dcp/test_plan_cache.py tests/integrations/test_torchtitan.py
+    tests/integrations/test_torchtitan_trainer.py
 )
 USER_NAME=dmuon-ci
 clone=""  # the leg being run: its clone is removed when the leg ends, also when it fails

@@ -17,4 +17,4 @@ fi
 # (DMUON_SKIP_LINT=1); a stub that differs there would fail a leg over nothing it tests.
 [ "${DMUON_SKIP_LINT:-0}" = 1 ] || bash scripts/lint.sh
 export GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false  # gcsfs stalls on emulators without it
-exec .venv/bin/python -m pytest -q "$@"
+exec .venv/bin/python -m pytest -q --durations=25 "$@"  # (the slowest, to keep CI within its time)
