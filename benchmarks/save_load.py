@@ -26,7 +26,8 @@ it has no dedicated parameters), with ``FileSystemWriter``'s defaults. Methods:
            torch.load(mmap=True) on every rank + dmuon.set_model_state_dict
   async    dmuon.dcp.async_save: the time until it returns (training is blocked that long)
   dmuon-buffered, dmuon-direct   dmuon with ``direct_io=False`` / ``True`` (not by default:
-           they show what the write-path probe chose between)
+           the two ways the write-path rule chooses between; dmuon-buffered is also
+           what a copy meant for a restore on this node is written as)
 
 Every save is followed by three loads, one per page-cache state:
 
@@ -44,7 +45,7 @@ What is measured, and why this way:
   first; a CPU gain that costs wall time is a regression.
 * Interleaved: each repeat runs every method once (save, its three loads, delete) in an order
   rotated one place per repeat, so drifting machine load hits all alike. ``--warmup`` rounds
-  run the same way, unrecorded (first calls: lazy imports, probes, staging buffers).
+  run the same way, unrecorded (first calls: lazy imports, staging buffers).
 * Paired ratios: within a repeat dmuon and its peer ran back to back; the median over repeats
   of the per-repeat ratio is what a comparison rests on (``harness.paired_ratio``). Min and
   median of each method's own times are printed too, with the spread (max - min) / median.
@@ -210,11 +211,11 @@ def measure_async(model, path: str) -> dict:
 
 
 def write_path_chosen() -> str:
-    """What dmuon's write-path probe chose in this process (after its first save): direct I/O or
-    buffered writes, and the probe's times; it decides most of a save's time on this machine."""
+    """Which way dmuon's saves wrote in this process (after its first save): direct I/O or
+    buffered writes, and the rule that said so; it decides most of a save's time here."""
     from dmuon.dcp.storage.write_path import known_choices
 
-    return "; ".join(choice.describe() for choice in known_choices().values()) or "no probe"
+    return "; ".join(choice.describe() for choice in known_choices().values()) or "no streamed write yet"
 
 
 def prepare(path: str, state: str) -> None:
@@ -307,7 +308,7 @@ def profile_worker(rank, world, n_matrices, run_dir, rounds):
     import dmuon.dcp as ddcp
 
     model = build(n_matrices, dedicated=True, meta=True)
-    ddcp.save(model, None, f"{run_dir}/w{world}-profile-warm")  # first save: the full rounds, the probe
+    ddcp.save(model, None, f"{run_dir}/w{world}-profile-warm")  # first save: the full rounds
     on_rank_zero(shutil.rmtree, f"{run_dir}/w{world}-profile-warm")
     walls, stats, fsyncs = [], None, []
     for round_ in range(rounds):

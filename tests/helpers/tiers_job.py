@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 import dmuon
 import dmuon.dcp as ddcp
+from dmuon.dcp.storage import write_path
 from tests.helpers import faults
 from tests.helpers.training import build, train
 
@@ -113,6 +114,8 @@ def main() -> None:
             state = full_state(model, opt)
             if rank == 0:
                 torch.save(state, os.path.join(out, "final.pt"))
+        with open(os.path.join(out, f"write_paths.{rank}.json"), "w") as f:  # how its local files went
+            json.dump([choice.describe() for choice in write_path.known_choices().values()], f)
     manager.close()
     dist.destroy_process_group()
 

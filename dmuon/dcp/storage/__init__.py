@@ -8,7 +8,7 @@
 ``local``           ``LocalStore``: a directory on a local or network filesystem, fsynced
 ``direct_io``       ``DirectFile``: writes past the page cache, from the caller's memory
 ``write_behind``    buffered writes whose writeback starts while the file is written
-``write_path``      direct or buffered writes for a filesystem, chosen by timing both
+``write_path``      direct or buffered writes for a filesystem: the rule, logged once
 ``fsspec_store``    ``FsspecStore``: S3, GCS and everything else fsspec reaches
 ``s3_transfer``     S3 streams with several requests in flight
 ==================  ===========================================================================

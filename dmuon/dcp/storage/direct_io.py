@@ -1,8 +1,8 @@
 """Writing a file past the page cache (``O_DIRECT``), from aligned staging buffers or straight
 from the caller's memory (:class:`DirectFile`).
 
-Whether that beats the page cache on a given filesystem is measured (``write_path.py``), and
-``local.LocalStore`` uses it only there.
+``local.LocalStore`` uses it by default on filesystems whose ``O_DIRECT`` is plain, and where
+``direct_io=True`` asks for it (``write_path.py``).
 """
 
 from __future__ import annotations

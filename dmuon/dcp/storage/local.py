@@ -3,8 +3,8 @@
 Each step is made durable: files are fsynced, small files are put atomically (written under a
 temporary name, then renamed, or linked for create-if-absent), and the directory is fsynced
 after a rename. Streamed files (data files, exports) are written with direct I/O, past the
-page cache (:class:`DirectFile`), where that is faster in wall time on the filesystem at hand
-(measured once per filesystem, ``write_path.py``), else through the page cache.
+page cache (:class:`DirectFile`), on filesystems whose ``O_DIRECT`` is plain, else through the
+page cache; the ``direct_io`` option overrides the rule (``write_path.py``).
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import logging
 import os
 import re
 import shutil
-import time
 import uuid
 from collections.abc import Iterator
 from typing import BinaryIO, cast
@@ -27,7 +26,7 @@ from .direct_io import O_DIRECT, DirectFile
 from .direct_read import DIRECT_READ_MIN_BYTES, DirectReadFile, is_cold
 from .retry import RetryPolicy
 from .write_behind import WriteBehindFile
-from .write_path import choice_for, choose_write_path, observe_buffered_write
+from .write_path import REFUSED, choose_write_path, note
 
 __all__ = ["DIRECT_IO_FILESYSTEMS", "LOCAL_DIRECT_IO_OPTION", "LocalStore", "filesystem_type", "open_local_store"]
 
@@ -37,8 +36,8 @@ log = logging.getLogger(__name__)
 LOCAL_DIRECT_IO_OPTION = "direct_io"
 
 # Filesystems on a block device whose O_DIRECT is plain (no network or cluster semantics, no
-# data checksums that a buffer could race with): there the probe of write_path.py decides.
-# Elsewhere (tmpfs, NFS, Lustre, btrfs, ...) files are written through the page cache.
+# data checksums that a buffer could race with): there streamed files are written direct by
+# default (write_path.py). Elsewhere (tmpfs, NFS, Lustre, btrfs, ...) files are written through the page cache.
 DIRECT_IO_FILESYSTEMS = frozenset({"ext4", "xfs"})
 
 
@@ -49,8 +48,8 @@ class LocalStore:
 
     def __init__(self, root: str, sync_files: bool = True, direct_io: bool | None = None) -> None:
         """``direct_io``: write streamed files past the page cache; ``None`` (the default)
-        does it where a probe of the filesystem found it faster (``write_path.py``), ``False``
-        never, ``True`` always (an error where the filesystem refuses it)."""
+        does it on ext4 and XFS (``write_path.py``), ``False`` never (a copy to be read back
+        on this node), ``True`` always (an error where the filesystem refuses it)."""
         self.root = os.path.abspath(root)
         self.url = self.root
         self.sync_files = sync_files
@@ -65,21 +64,15 @@ class LocalStore:
 
     def _use_direct_io(self) -> bool:
         if self._direct is None:
-            if self.direct_io is None:
-                self._direct = choose_write_path(self.root, self._direct_is_plain()).direct
-            elif self.direct_io and not O_DIRECT:
+            if self.direct_io and not O_DIRECT:
                 raise ValueError(f"direct_io=True for {self.root}, but this platform has no O_DIRECT")
-            else:
-                self._direct = self.direct_io
+            self._direct = choose_write_path(self.root, self.direct_io, self._direct_is_plain()).direct
         return self._direct
 
     def _reads_direct(self) -> bool:
-        if self.direct_io is False or not self._direct_is_plain():
-            return False
-        if self.direct_io:
-            return True
-        known = choice_for(self.root)
-        return known is not None and known.direct
+        if self.direct_io is not None:
+            return self.direct_io
+        return self._direct_is_plain() and self._direct is not False  # (False: O_DIRECT refused)
 
     def _path(self, name: str) -> str:
         return os.path.join(self.root, checked_name(name))
@@ -106,10 +99,7 @@ class LocalStore:
             yield f
             f.flush()
             if self.sync_files:
-                began = time.perf_counter()
                 os.fsync(f.fileno())
-                if isinstance(f, WriteBehindFile) and self.direct_io is None:  # (buffered by choice)
-                    observe_buffered_write(self.root, f.tell(), f.io_seconds + time.perf_counter() - began)
             f.close()
         except BaseException:
             f.close()
@@ -127,15 +117,15 @@ class LocalStore:
                 # the filesystem refuses O_DIRECT after all: buffered from now on
                 log.info("direct I/O refused under %s (%s); writing through the page cache", self.root, error)
                 self._direct = False
+                note(self.root, REFUSED)
         if self.sync_files:  # (it is fsynced at the end: start writing it back now)
             return cast(BinaryIO, WriteBehindFile(path))
         return open(path, "wb")
 
     def open_read(self, name: str) -> BinaryIO:
         """A data file none of which is in the page cache is read past the cache
-        (``direct_read.py``) where writes go past it too: ``direct_io=True``, or the default
-        where this process's saves found direct I/O faster (``write_path.py``; a process that
-        loads before it saves reads through the cache)."""
+        (``direct_read.py``) where writes go past it too (``direct_io=True``, or the default
+        on ext4 and XFS): the same rule in every process, whether it saved first or not."""
         path = self._path(name)
         if self._reads_direct():
             size = os.path.getsize(path)
@@ -268,7 +258,7 @@ def filesystem_type(path: str) -> str:
 def open_local_store(url: str, storage_options: dict | None, sync_files: bool | None) -> LocalStore:
     """The registry's factory for plain paths and ``file://`` URLs: a local directory, fsynced
     unless ``sync_files=False``. The only option it takes is ``direct_io`` (true, false, or
-    null for automatic); any other is an error rather than silently ignored."""
+    null for the rule of ``write_path.py``); any other is an error rather than silently ignored."""
     path = url[len("file://") :] if url.startswith("file://") else url
     options = dict(storage_options or {})
     direct_io = options.pop(LOCAL_DIRECT_IO_OPTION, None)

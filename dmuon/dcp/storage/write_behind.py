@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import time
 from typing import BinaryIO
 
 __all__ = ["WRITE_BEHIND_WINDOW", "WriteBehindFile", "start_writeback"]
@@ -53,21 +52,15 @@ def start_writeback(fd: int, offset: int, length: int) -> bool:
 
 class WriteBehindFile:
     """A buffered write-only file that starts writeback of every :data:`WRITE_BEHIND_WINDOW`
-    written; otherwise a plain ``open(path, "wb")`` file (``flush``, ``fileno``, ``close``).
-
-    ``io_seconds`` adds up the wall time spent inside its writes, flushes and writeback kicks
-    (the caller adds its fsync): what the page cache cost this file, apart from the time the
-    caller took to produce the bytes (``write_path.observe_buffered_write`` weighs it)."""
+    written; otherwise a plain ``open(path, "wb")`` file (``flush``, ``fileno``, ``close``)."""
 
     def __init__(self, path: str, window: int = WRITE_BEHIND_WINDOW) -> None:
         self._file: BinaryIO = open(path, "wb")
         self._window = window
         self._written = 0  # bytes handed to write() so far
         self._started = 0  # writeback asked for up to here
-        self.io_seconds = 0.0
 
     def write(self, data) -> int:
-        began = time.perf_counter()
         n = self._file.write(data)
         self._written += n
         if self._written - self._started >= self._window:
@@ -75,13 +68,10 @@ class WriteBehindFile:
             if not start_writeback(self._file.fileno(), self._started, self._written - self._started):
                 self._window = 1 << 62  # not available here: stop asking
             self._started = self._written
-        self.io_seconds += time.perf_counter() - began
         return n
 
     def flush(self) -> None:
-        began = time.perf_counter()
         self._file.flush()
-        self.io_seconds += time.perf_counter() - began
 
     def fileno(self) -> int:
         return self._file.fileno()

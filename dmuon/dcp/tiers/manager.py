@@ -33,6 +33,7 @@ from ..checkpointer import Checkpointer
 from ..deprecation import renamed, renamed_argument
 from ..errors import StorageError
 from ..manager import CheckpointManager
+from ..storage.local import LOCAL_DIRECT_IO_OPTION
 from ..transport import lowest
 from .background import BackgroundWork
 from .local import CommitCopy, LocalTier
@@ -124,7 +125,9 @@ class TieredCheckpointManager:
         self.layout: NodeLayout = discover_nodes(self.groups, node_rank)
         self.background = BackgroundWork("dmuon-tiers")
         self.preemption = PreemptionWatcher(preemption_signals) if preemption_signals is not None else None
-        self.checkpointer = Checkpointer()  # the local saves (and what they keep: the save plans)
+        # The local saves (and what they keep: the save plans). Buffered: this copy exists to be
+        # restored on this node, which then reads it from memory (storage/write_path.py).
+        self.checkpointer = Checkpointer(storage_options={LOCAL_DIRECT_IO_OPTION: False})
         self.last_extra: dict = {}  # what the restored checkpoint carried in ``extra``
         self.last_restore: RestoreReport | None = None
         self.last_preemption: PreemptionReport | None = None

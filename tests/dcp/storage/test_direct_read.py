@@ -105,7 +105,7 @@ def test_only_the_hinted_ranges_are_fetched_even_after_a_trailer_read_first(cold
         assert wanted <= f.bytes_fetched <= wanted + 2 * DIRECT_IO_ALIGN * (len(shares) + 1)
 
 
-def test_the_store_reads_cold_large_files_past_the_cache_where_it_writes_past_it(cold_file, tmp_path, monkeypatch):
+def test_the_store_reads_cold_large_files_past_the_cache_where_it_writes_past_it(cold_file, tmp_path):
     path, data = cold_file
     (tmp_path / "small").write_bytes(b"x" * 100)
     store = LocalStore(str(tmp_path), direct_io=True)
@@ -121,19 +121,11 @@ def test_the_store_reads_cold_large_files_past_the_cache_where_it_writes_past_it
     _dropped(path)
     with LocalStore(str(tmp_path), direct_io=False).open_read("data") as f:
         assert isinstance(f, LocalReadFile)  # direct I/O turned off: reads too
-    # The default follows what this process's saves chose for the filesystem, and probes nothing.
+    # The default follows the rule, in a process that never wrote here too: direct on ext4/XFS.
     write_path.forget_choices()
     with LocalStore(str(tmp_path)).open_read("data") as f:
-        assert isinstance(f, LocalReadFile)
-    assert write_path.known_choices() == {}
-    for direct, kind in ((False, LocalReadFile), (True, DirectReadFile)):
-        answer = write_path.WritePathChoice(direct, "fixed by the test", 0.03, 0.03, 0.001, 0.01)
-        monkeypatch.setattr(write_path, "_probe", lambda root, answer=answer: answer)
-        write_path.forget_choices()
-        assert write_path.choose_write_path(str(tmp_path), True).direct == direct
-        with LocalStore(str(tmp_path)).open_read("data") as f:
-            assert isinstance(f, kind)
-    write_path.forget_choices()
+        assert isinstance(f, DirectReadFile)
+    assert write_path.known_choices() == {}  # (a read logs nothing: only writes choose a way)
 
 
 def _save_then_cold_load(rank, world, root):

@@ -157,28 +157,25 @@ def test_borrowed_memory_in_flight_is_bounded(tmp_path):
     assert (tmp_path / "f").read_bytes() == expected
 
 
-def test_store_writes_streamed_files_the_way_the_probe_chose(tmp_path, caplog):
-    kind = filesystem_type(str(tmp_path))
+def test_store_writes_streamed_files_by_the_rule_and_says_so_once(tmp_path, caplog):
+    plain = filesystem_type(str(tmp_path)) in DIRECT_IO_FILESYSTEMS
+    expected = write_path.DIRECT_BY_RULE if plain else write_path.BUFFERED_BY_RULE
     write_path.forget_choices()
-    store = LocalStore(str(tmp_path / "ckpt"))
-    store.makedirs()
     data = os.urandom(STAGING_BYTES + 999)
     with caplog.at_level(logging.INFO, logger="dmuon.dcp.storage.write_path"):
-        with store.open_write("data") as f:
-            f.write(data)
-    [choice] = write_path.known_choices().values()
-    assert isinstance(f, DirectFile) == choice.direct
-    if kind in DIRECT_IO_FILESYSTEMS:  # measured: both ways timed, the log line says so
-        direct = choice.direct_s + choice.direct_read_s  # a save, then a load right after it
-        buffered = choice.buffered_s + choice.buffered_read_s
-        assert choice.direct == (direct <= write_path.DIRECT_MARGIN * buffered)
-        assert "read back: buffered" in caplog.text and " ms, direct " in caplog.text
-    else:
-        assert not choice.direct and choice.direct_s is None
-    assert not [name for name in os.listdir(tmp_path / "ckpt") if "probe" in name]  # the probe cleaned up
+        for name in ("a", "b"):  # two stores of one filesystem, as two saves are
+            store = LocalStore(str(tmp_path / name))
+            store.makedirs()
+            with store.open_write("data") as f:
+                assert isinstance(f, DirectFile) == plain
+                f.write(data)
+    assert list(write_path.known_choices().values()) == [expected]
+    assert caplog.text.count(expected.describe()) == 1  # logged once per filesystem
+    assert sorted(os.listdir(tmp_path / "a")) == ["data"]  # nothing else written beside it
     store.put("small", b"manifest")  # small files: always through the page cache
     assert store.read("data") == data and store.read("small") == b"manifest"
     assert sorted(store.list()) == ["data", "small"]
+    write_path.forget_choices()
 
 
 def test_tmpfs_is_written_through_the_page_cache():
@@ -252,7 +249,7 @@ def test_a_failed_background_write_is_raised_and_the_file_removed(tmp_path, meth
 
 
 @pytest.mark.parametrize("direct", [True, False])
-def test_an_explicit_direct_io_option_wins_over_the_probe(tmp_path, direct):
+def test_an_explicit_direct_io_option_wins_over_the_rule(tmp_path, direct):
     if direct and filesystem_type(str(tmp_path)) not in DIRECT_IO_FILESYSTEMS:
         pytest.skip("no direct I/O here")
     write_path.forget_choices()
@@ -261,47 +258,6 @@ def test_an_explicit_direct_io_option_wins_over_the_probe(tmp_path, direct):
     with store.open_write("data") as f:
         assert isinstance(f, DirectFile) == direct
         f.write(b"x" * 5000)
-    assert write_path.known_choices() == {}  # no probe ran
+    assert list(write_path.known_choices().values()) == [write_path.DIRECT_ASKED if direct else write_path.BUFFERED_ASKED]
     assert store.read("data") == b"x" * 5000
-
-
-def _probed_buffered(monkeypatch, direct_s: float, direct_read_s: float) -> None:
-    """The probe's answer fixed (buffered writes, with these direct timings): what follows it
-    is the rule under test, not this machine's timings."""
-    answer = write_path.WritePathChoice(False, "fixed by the test", 0.030, direct_s, 0.001, direct_read_s)
-    monkeypatch.setattr(write_path, "_probe", lambda root: answer)
-    write_path.forget_choices()
-
-
-def test_a_slow_buffered_file_turns_the_filesystem_to_direct_io(tmp_path, monkeypatch):
-    _probed_buffered(monkeypatch, direct_s=0.040, direct_read_s=0.010)  # direct: 32 MiB in 50 ms
-    root = str(tmp_path)
-    assert not write_path.choose_write_path(root, True).direct
-    small, big = write_path.OBSERVED_MIN_BYTES - 1, write_path.OBSERVED_MIN_BYTES
-    assert write_path.observe_buffered_write(root, small, 100.0) is None  # too small to judge by
-    assert write_path.observe_buffered_write(root, big, 0.05) is None  # faster than direct: stays
-    assert not write_path.choose_write_path(root, True).direct
-    changed = write_path.observe_buffered_write(root, big, 1.0)  # 64 MiB/s: slower than direct
-    assert changed is not None and changed.direct and "64 MiB/s" in changed.reason
-    assert write_path.choose_write_path(root, True) == changed
-    assert write_path.observe_buffered_write(root, big, 100.0) is None  # never back, never again
-    write_path.forget_choices()
-
-
-def test_the_store_reports_its_buffered_data_files(tmp_path, monkeypatch):
-    if filesystem_type(str(tmp_path)) not in DIRECT_IO_FILESYSTEMS:
-        pytest.skip("no direct I/O here")
-    _probed_buffered(monkeypatch, direct_s=0.0, direct_read_s=0.0)  # any real write is slower
-    store = LocalStore(str(tmp_path / "ckpt"))
-    store.makedirs()
-    data = os.urandom(1 << 20) * (write_path.OBSERVED_MIN_BYTES >> 20)
-    with store.open_write("first") as f:
-        assert not isinstance(f, DirectFile)
-        f.write(data)
-    store.put("small", b"x")  # small files are never judged, and never direct
-    store = LocalStore(str(tmp_path / "ckpt"))  # (a store resolves its way once: the next save's)
-    with store.open_write("second") as f:
-        assert isinstance(f, DirectFile)
-        f.write(data)
-    assert store.read("first") == data and store.read("second") == data
     write_path.forget_choices()

@@ -82,6 +82,11 @@ def test_uninterrupted_run_filled_both_tiers(trained):
     persistent = ddcp.CheckpointManager(trained["persistent"], storage_options=trained["options"])
     assert persistent.steps() == [4]
     assert ddcp.verify(persistent.path(4), storage_options=trained["options"]) == []
+    # The local copy is for a restore on this node: written through the page cache, which keeps it.
+    from dmuon.dcp.storage.write_path import BUFFERED_ASKED
+
+    for rank in (0, 1):
+        assert json.loads((trained["out"] / f"write_paths.{rank}.json").read_text()) == [BUFFERED_ASKED.describe()]
 
 
 def test_a_one_node_lost_restores_from_the_peer_replica(trained, tmp_path):
