@@ -6,15 +6,15 @@ item 5).
     python benchmarks/tp_step.py [--quick] [--repeats 20] [--warmup 3] [--depths 2 8] [--json PATH]
 
 The model is defined in ``tp_model.py`` (benchmarks do not import the tests): an embedding,
-``layers`` blocks (an RMSNorm, attention ``wq wk wv wo``, an RMSNorm, a SwiGLU MLP ``w1 w2 w3``),
-a final norm and an output projection to a vocabulary (1001) that TP 2 does not divide, so that one matrix is cut
-unevenly. 4 ranks on a ``("dp_shard", "tp")`` mesh of 2 x 2: torchtitan's Llama 3 plan without
-sequence parallelism (``wq wk wv w1 w3`` ``ColwiseParallel``, ``wo w2`` ``RowwiseParallel``, the
-output ``ColwiseParallel`` with its logits replicated), then ``fully_shard`` of each block and
-of the model over ``dp_shard``. Muon takes every ``Linear`` weight, ``7 x layers + 1`` matrices,
-each a DTensor cut by TP and again by FSDP2; AdamW the embedding and the norms. The two methods,
-on the same initial weights, the same batches and the same ranks, one training step each in
-turn (``harness.rotated``), repeated:
+``layers`` blocks (an RMSNorm, attention ``wq wk wv wo``, an RMSNorm, a SwiGLU MLP
+``w1 w2 w3``), a final norm and an output projection to a vocabulary (1001) that TP 2 does not
+divide, so that one matrix is cut unevenly. 4 ranks on a ``("dp_shard", "tp")`` mesh of 2 x 2:
+torchtitan's Llama 3 plan without sequence parallelism (``wq wk wv w1 w3`` ``ColwiseParallel``,
+``wo w2`` ``RowwiseParallel``, the output ``ColwiseParallel`` with its logits replicated), then
+``fully_shard`` of each block and of the model over ``dp_shard``. Muon takes every ``Linear``
+weight, ``7 x layers + 1`` matrices, each a DTensor cut by TP and again by FSDP2; AdamW the
+embedding and the norms. The two methods, on the same initial weights, the same batches and the
+same ranks, one training step each in turn (``harness.rotated``), repeated:
 
 * ``dmuon``: the matrices named in ``dmuon.dedicate_params(..., sharded_matrices=)``, one
   ``dmuon.Muon``: each matrix assembled on one home rank of the mesh, orthogonalised there, its
@@ -256,7 +256,8 @@ def report(results: list[dict], shape: Shape, repeats: int, wire: dict) -> dict:
         sent = [statistics.median(r["bytes_step"]) for r in per_rank]
         calls = [r["collectives"][name] for r in results]
         table[name] = {
-            "step_wall_ms": {k: v * 1e3 for k, v in summary(walls[name]).items()},
+            "step_wall_ms": {k: v * 1e3 for k, v in summary(walls[name]).items() if k != "spread"},
+            "step_wall_spread": summary(walls[name])["spread"],
             "step_cpu_ms": statistics.median(cpu) * 1e3,
             "bytes_per_opt_step": {"mean": statistics.mean(sent), "max": max(sent)},
             "collectives_per_step": max(len(c) for c in calls),
