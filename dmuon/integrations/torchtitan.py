@@ -51,6 +51,7 @@ from .. import compat
 from ..dedicate import dedicate_params
 from ..dedicated import get_registry
 from ..optim.muon import Muon
+from .torchtitan_tp import dedicate_after_tensor_parallelism, refuse_with_tensor_parallelism
 
 __all__ = [
     "MuonOptimizersContainer",
@@ -65,6 +66,8 @@ __all__ = [
 _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 #: where :func:`dedicated_parallelize` leaves the clipping threshold the Trainer was given
 _MAX_NORM_ATTR = "_dmuon_max_norm"
+#: and how many ranks hold each dedicated weight's owner copy (one per TP rank)
+_COPIES_ATTR = "_dmuon_dedicated_copies"
 
 
 class MuonOptimizersContainer(OptimizersContainer):
@@ -139,10 +142,11 @@ class MuonOptimizersContainer(OptimizersContainer):
             raise ValueError("MuonOptimizersContainer does not support closures")
         dedicated = _dedicated_grads(self.model_parts)
         if self.sum_gradients:
-            for grad, world_size in dedicated:
+            for grad, world_size, _ in dedicated:
                 grad.mul_(world_size)
         if self.max_norm is not None and math.isfinite(self.max_norm):
-            self.grad_norm = _clip_jointly_(self.model_parts, [g for g, _ in dedicated], self.max_norm)
+            owned = [(grad, copies) for grad, _, copies in dedicated]
+            self.grad_norm = _clip_jointly_(self.model_parts, owned, self.max_norm)
         for optimizer in self.optimizers:
             optimizer.step()
 
@@ -157,40 +161,45 @@ class MuonOptimizersContainer(OptimizersContainer):
             set_optimizer_state_dict(model, optimizer, state_dict, options=_FLAT)
 
 
-def _dedicated_grads(model_parts: list[nn.Module]) -> list[tuple[torch.Tensor, int]]:
-    """Each dedicated gradient this rank holds as global owner, with its data-parallel size."""
+def _dedicated_grads(model_parts: list[nn.Module]) -> list[tuple[torch.Tensor, int, int]]:
+    """Each dedicated gradient this rank holds as global owner, with its data-parallel size and
+    the number of owners holding the same gradient (one per tensor-parallel rank)."""
     out = []
     for part in model_parts:
+        copies = getattr(part, _COPIES_ATTR, 1)
         for rec in get_registry(part) or ():
             master = rec.master if rec.is_global_owner else None
             if master is not None and master.grad is not None:
-                out.append((master.grad, rec.topo.world_size))
+                out.append((master.grad, rec.topo.world_size, copies))
     return out
 
 
-def _clip_jointly_(model_parts: list[nn.Module], dedicated: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+def _clip_jointly_(
+    model_parts: list[nn.Module], dedicated: list[tuple[torch.Tensor, int]], max_norm: float
+) -> torch.Tensor:
     """Clip sharded and dedicated gradients by their joint 2-norm; return that norm.
 
     Each rank sums the squares of what it holds, counted once per job: a DTensor gradient's
     local shard divided by the number of ranks that hold the same shard (its ``Replicate``
-    dimensions), a dedicated gradient on its global owner. One all-reduce over the world adds
+    dimensions), a dedicated gradient on its global owner (divided by the number of such owners:
+    one per tensor-parallel rank). One all-reduce over the world adds
     the shares. That is right whatever meshes the gradients live on (expert stacks on
     ``(efsdp, ep)``, dense weights on ``fsdp``) and across pipeline stages, whose parts hold
     different weights; a norm per mesh, as ``get_total_norm`` takes it, would not add up.
     """
     grads = [p.grad for part in model_parts for p in part.parameters() if p.grad is not None]
-    device = next((g.device for g in dedicated), None) or next(iter(model_parts[0].parameters())).device
+    device = next((g.device for g, _ in dedicated), None) or next(iter(model_parts[0].parameters())).device
     mine = torch.zeros((), dtype=torch.float32, device=device)
     for grad in grads:
         mine = mine + _squares_once(grad).to(device)
-    for grad in dedicated:
-        mine = mine + grad.detach().float().pow(2).sum()
+    for grad, copies in dedicated:
+        mine = mine + grad.detach().float().pow(2).sum() / copies
     dist.all_reduce(mine)
     total = mine.sqrt()
     # torch's clip_grads_with_norm_ takes parameters, not gradients; scale the tensors here
     scale = (max_norm / (total + 1e-6)).clamp(max=1.0)
     with torch.no_grad():
-        for grad in grads + dedicated:
+        for grad in grads + [g for g, _ in dedicated]:
             local = grad.to_local() if isinstance(grad, DTensor) else grad
             local.mul_(scale.to(local.device))
     return total
@@ -267,8 +276,13 @@ def dedicated_parallelize(
     dedicated weights compute in ``training.mixed_precision_param``, as FSDP's shards do.
     The experts' stacks (:func:`default_expert_stacks`) are updated by Muon per expert where
     expert parallelism and FSDP put them. ``dedicate_kwargs`` overrides these choices.
-    Tensor and context parallelism are refused (a dedicated weight is whole), and so is an
-    ``spmd_backend`` other than ``"partial_dtensor"`` (set it in the config).
+    With tensor parallelism (``parallelism.tensor_parallel_degree``) the weights are chosen
+    once torchtitan's TP plan has laid the model out, before FSDP: the selected matrices the
+    plan laid out stay its DTensors and are updated whole on a home rank
+    (``sharded_matrices=``, :mod:`.torchtitan_tp`); the others are dedicated. Context
+    parallelism is refused (a dedicated weight is whole), and so are asynchronous TP, float8
+    layers under TP, and an ``spmd_backend`` other than ``"partial_dtensor"`` (set it in the
+    config).
 
     It also takes gradient clipping over: ``training.max_norm`` is handed to
     :class:`MuonOptimizersContainer` (through the model parts) and set to infinity for
@@ -301,10 +315,26 @@ def dedicated_parallelize(
             "expert_stacks": default_expert_stacks(model),
             **dedicate_kwargs,
         }
-        dedicate_params(model, parallel_dims.get_mesh("fsdp"), predicate, replicate_mesh=replicate, **options)
+
+        def dedicate(model: nn.Module, **chosen: Any) -> None:
+            mesh = parallel_dims.get_mesh("fsdp")
+            dedicate_params(model, mesh, predicate, replicate_mesh=replicate, **{**options, **chosen})
+
+        if parallel_dims.tp_enabled:
+            refuse_with_tensor_parallelism(model, kwargs.get("compile_config"))
+            ran = dedicate_after_tensor_parallelism(model, predicate, options, dedicate)
+        else:
+            dedicate(model)
         model = parallelize_fn(model, parallel_dims=parallel_dims, training=training, parallelism=parallelism, **kwargs)
+        if parallel_dims.tp_enabled and not ran:
+            raise NotImplementedError(
+                "with tensor parallelism dmuon needs the model's parallelize_fn to apply the TP plan through "
+                "torchtitan's Module.parallelize (as Llama 3's does); this one did not call it"
+            )
         threshold = thresholds.setdefault(id(training), training.max_norm)
         setattr(model, _MAX_NORM_ATTR, threshold)
+        # a dedicated weight outside the TP plan is held by an owner in each TP rank's fsdp mesh
+        setattr(model, _COPIES_ATTR, parallel_dims.tp if parallel_dims.tp_enabled else 1)
         training.max_norm = math.inf
         return model
 
@@ -312,7 +342,7 @@ def dedicated_parallelize(
 
 
 #: the parallelisms a dedicated weight cannot take part in yet, by torchtitan's short name
-_REFUSED = {"tp": "tensor parallelism", "cp": "context parallelism"}
+_REFUSED = {"cp": "context parallelism"}
 
 
 def with_dmuon(
