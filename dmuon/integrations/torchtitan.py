@@ -309,6 +309,8 @@ def dedicated_parallelize(
                 f"dmuon's dedicated weights do not support {', '.join(_REFUSED[name] for name in refused)} yet; "
                 f"enabled here: {refused}"
             )
+        if parallel_dims.tp_enabled:
+            refuse_with_tensor_parallelism(model, kwargs.get("compile_config"))
         replicate = parallel_dims.get_mesh("dp_replicate") if parallel_dims.dp_replicate_enabled else None
         options = {
             "param_dtype": TORCH_DTYPE_MAP[training.mixed_precision_param],
@@ -321,12 +323,12 @@ def dedicated_parallelize(
             dedicate_params(model, mesh, predicate, replicate_mesh=replicate, **{**options, **chosen})
 
         if parallel_dims.tp_enabled:
-            refuse_with_tensor_parallelism(model, kwargs.get("compile_config"))
             ran = dedicate_after_tensor_parallelism(model, predicate, options, dedicate)
         else:
             dedicate(model)
+            ran = [True]
         model = parallelize_fn(model, parallel_dims=parallel_dims, training=training, parallelism=parallelism, **kwargs)
-        if parallel_dims.tp_enabled and not ran:
+        if not ran:
             raise NotImplementedError(
                 "with tensor parallelism dmuon needs the model's parallelize_fn to apply the TP plan through "
                 "torchtitan's Module.parallelize (as Llama 3's does); this one did not call it"

@@ -120,9 +120,10 @@ def test_docs_config_parses_through_torchtitans_config_manager(tmp_path):
 
 @pytest.mark.parametrize("backend, enabled, message", [
     ("spmd_types", (), "spmd_backend='partial_dtensor'"),
-    ("partial_dtensor", ("tp",), "do not support tensor parallelism yet; enabled here: ['tp']"),
     ("partial_dtensor", ("cp", "pp", "ep"), "do not support context parallelism yet; enabled here: ['cp']"),
-    ("partial_dtensor", ("tp", "cp"), "tensor parallelism, context parallelism yet"),
+    ("partial_dtensor", ("tp", "cp"), "do not support context parallelism yet; enabled here: ['cp']"),
+    ("partial_dtensor", ("tp", "async_tp"), "does not support compile.enable_async_tensor_parallel"),
+    ("partial_dtensor", ("tp", "float8"), "does not support float8 layers with tensor parallelism yet (found '0'"),
 ])
 def test_dedicated_parallelize_refuses_what_cannot_hold_a_whole_weight(backend, enabled, message):
     from types import SimpleNamespace
@@ -132,8 +133,13 @@ def test_dedicated_parallelize_refuses_what_cannot_hold_a_whole_weight(backend, 
     def never(model, **kwargs):
         raise AssertionError("the wrapped parallelize_fn must not run")
 
+    class Float8Linear(torch.nn.Linear):  # named as torchao's and torchtitan's float8 layers are
+        pass
+
     dims = SimpleNamespace(**{f"{name}_enabled": name in enabled for name in ("tp", "cp", "pp", "ep")})
+    compile_config = SimpleNamespace(enable_async_tensor_parallel="async_tp" in enabled)
+    model = torch.nn.Sequential(Float8Linear(2, 2) if "float8" in enabled else torch.nn.Linear(2, 2))
     parallelize = dedicated_parallelize(never)
     with pytest.raises(NotImplementedError, match=re.escape(message)):
-        parallelize(torch.nn.Linear(2, 2), parallel_dims=dims, training=SimpleNamespace(max_norm=1.0),
-                    parallelism=SimpleNamespace(spmd_backend=backend))
+        parallelize(model, parallel_dims=dims, training=SimpleNamespace(max_norm=1.0),
+                    parallelism=SimpleNamespace(spmd_backend=backend), compile_config=compile_config)
