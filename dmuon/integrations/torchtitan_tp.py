@@ -11,7 +11,7 @@ between the plan and FSDP, handing it the matrices the plan laid out as ``sharde
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -22,7 +22,8 @@ __all__ = ["dedicate_after_tensor_parallelism", "refuse_with_tensor_parallelism"
 
 
 def refuse_with_tensor_parallelism(model: nn.Module, compile_config: Any) -> None:
-    """What tensor parallelism with dmuon is not checked with: refused by name, before any step."""
+    """What tensor parallelism with dmuon is not checked with, and a model without torchtitan's
+    ``Module.parallelize`` (whose TP plan dmuon reads): refused by name, before any step."""
     if getattr(compile_config, "enable_async_tensor_parallel", False):
         raise NotImplementedError(
             "dmuon does not support compile.enable_async_tensor_parallel yet: asynchronous tensor parallelism "
@@ -34,6 +35,11 @@ def refuse_with_tensor_parallelism(model: nn.Module, compile_config: Any) -> Non
             f"dmuon does not support float8 layers with tensor parallelism yet (found {float8[0]!r}, "
             f"{type(model.get_submodule(float8[0])).__name__}): their TP layouts are not checked with its "
             "sharded matrices"
+        )
+    if not callable(getattr(model, "parallelize", None)):
+        raise NotImplementedError(
+            f"dmuon takes tensor parallelism from torchtitan's Module.parallelize (its TP plan), which "
+            f"{type(model).__name__} does not have"
         )
 
 
@@ -55,10 +61,14 @@ def dedicate_after_tensor_parallelism(
     list that holds True once that has happened.
     """
     ran: list[bool] = []
-    lay_out = model.parallelize
+    lay_out = cast(Callable[[Any], None], model.parallelize)
+    own = model.__dict__.get("parallelize")  # an instance's own, put back after the one call
 
     def parallelize_then_dedicate(parallel_dims: Any) -> None:
-        del model.parallelize  # the wrapper is for this call only
+        if own is None:
+            del model.__dict__["parallelize"]
+        else:
+            model.__dict__["parallelize"] = own
         lay_out(parallel_dims)
         laid_out = {compat.state_dict_name(name) for name, p in model.named_parameters() if isinstance(p, DTensor)}
         stacks = options.get("expert_stacks") or (lambda fqn, param: False)
@@ -77,5 +87,5 @@ def dedicate_after_tensor_parallelism(
         dedicate(model, sharded_matrices=sharded)
         ran.append(True)
 
-    model.parallelize = parallelize_then_dedicate  # type: ignore[method-assign]
+    model.__dict__["parallelize"] = parallelize_then_dedicate  # this instance's, for one call
     return ran

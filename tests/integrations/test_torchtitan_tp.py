@@ -155,3 +155,19 @@ def test_joint_clipping_counts_every_gradient_once_under_tensor_parallelism(tmp_
         assert seen["reported"] == pytest.approx(seen["before"], rel=1e-5)
         assert seen["after"] == pytest.approx(seen["before"] / 4, rel=1e-4)
         assert torch.isfinite(torch.tensor(seen["before"]))
+
+
+def norms_selected_job(rank, world, folder):
+    from dmuon.integrations.torchtitan import default_predicate, with_dmuon
+    from tests.helpers import titan_trainer
+
+    config = titan_trainer.tiny_config(folder, muon=False, **TP2)
+    with_dmuon(config, predicate=lambda fqn, p: default_predicate(fqn, p) or fqn.endswith("norm.weight"))
+    config.build()
+
+
+def test_a_vector_the_tensor_parallel_plan_lays_out_is_refused_by_name(tmp_path):
+    """Selected for dmuon (a norm's weight, to be dedicated and updated with AdamW), but TP made it a
+    DTensor: neither a dedicated weight nor a sharded matrix; refused before FSDP, by name."""
+    with pytest.raises(Exception, match=r"'layers\.\d\.\w+_norm\.weight' \(shape \(64,\)\) is selected for dmuon"):
+        run_ranks(norms_selected_job, 2, str(tmp_path), timeout=TIMEOUT)

@@ -143,3 +143,19 @@ def test_dedicated_parallelize_refuses_what_cannot_hold_a_whole_weight(backend, 
     with pytest.raises(NotImplementedError, match=re.escape(message)):
         parallelize(model, parallel_dims=dims, training=SimpleNamespace(max_norm=1.0),
                     parallelism=SimpleNamespace(spmd_backend=backend), compile_config=compile_config)
+
+
+def test_tensor_parallelism_needs_torchtitans_module_parallelize():
+    """A model without torchtitan's ``Module.parallelize`` (its TP plan): refused by name."""
+    from types import SimpleNamespace
+
+    from dmuon.integrations.torchtitan import dedicated_parallelize
+
+    def never(model, **kwargs):
+        raise AssertionError("the wrapped parallelize_fn must not run")
+
+    dims = SimpleNamespace(tp_enabled=True, cp_enabled=False, dp_replicate_enabled=False)
+    with pytest.raises(NotImplementedError, match="Module.parallelize .its TP plan., which Linear does not have"):
+        dedicated_parallelize(never)(torch.nn.Linear(2, 2), parallel_dims=dims,
+                                     training=SimpleNamespace(max_norm=1.0, mixed_precision_param="float32"),
+                                     parallelism=SimpleNamespace(spmd_backend="partial_dtensor"))
