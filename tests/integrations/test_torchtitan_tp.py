@@ -9,7 +9,8 @@ checkpoint and resumed in fresh processes gives every loss, weight and optimizer
 uninterrupted run bit for bit; that checkpoint loads at dp_shard 4 without TP (matrices
 dedicated there), weights and momentum exact; a checkpoint of dp_shard 2 resumed at TP 2 trains
 on as without TP, with and without sequence parallelism; the container's joint clipping counts each
-gradient once (shards on tp, replicas on tp divided).
+gradient once (shards on tp, replicas on tp divided); the tiny Qwen3 MoE at TP 2 (experts cut
+on tp) stops and resumes bit for bit.
 Shared helpers: tests/integrations/test_torchtitan_parallel.py.
 """
 import shutil
@@ -27,6 +28,7 @@ from tests.integrations.test_torchtitan_parallel import (
     assert_same,
     assert_trained,
     load_only,
+    stop_and_resume,
     train,
 )
 
@@ -155,6 +157,25 @@ def test_joint_clipping_counts_every_gradient_once_under_tensor_parallelism(tmp_
         assert seen["reported"] == pytest.approx(seen["before"], rel=1e-5)
         assert seen["after"] == pytest.approx(seen["before"] / 4, rel=1e-4)
         assert torch.isfinite(torch.tensor(seen["before"]))
+
+
+def test_moe_with_tensor_parallelism_stop_and_resume_is_bit_exact(tmp_path):
+    """The tiny Qwen3 MoE at TP 2 x dp_shard 2: torchtitan's plan cuts every expert's matrices
+    on tp (stacks ``(Shard(0), Shard(1))``, ``w2`` on its dim 2), which the expert-stack update
+    undoes per expert (optim/expert_stacks.py); the router's gate, replicated on tp, is a
+    sharded matrix like the attention's."""
+    knobs = {**TP2, "model": "moe"}
+    whole = train(tmp_path / "whole", **knobs)
+    for result in whole:
+        assert result["dedicated"] == []
+        gates = [fqn for fqn in result["matrices"] if ".router.gate." in fqn]
+        assert len(gates) == 2 and len(result["matrices"]) == 10
+        for fqn, (mesh, placements, _local) in result["layouts"].items():
+            if ".inner_experts." in fqn:
+                assert mesh == ("fsdp", "tp") and placements[1].dim in (1, 2), fqn
+        assert_trained(result)
+    first, second = stop_and_resume(tmp_path / "stopped", **knobs)
+    assert_bit_exact(first, second, whole)
 
 
 def norms_selected_job(rank, world, folder):
