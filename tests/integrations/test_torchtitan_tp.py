@@ -9,7 +9,7 @@ checkpoint and resumed in fresh processes gives every loss, weight and optimizer
 uninterrupted run bit for bit; that checkpoint loads at dp_shard 4 without TP (matrices
 dedicated there), weights and momentum exact; a checkpoint of dp_shard 2 resumed at TP 2 trains
 on as without TP, with and without sequence parallelism; the container's joint clipping counts each
-gradient once (shards on tp, replicas on tp divided); the tiny Qwen3 MoE at TP 2 (experts cut
+gradient once (shards on tp, replicas on tp divided); HSDP x TP trains as dp_shard 2 x tp 2; the tiny Qwen3 MoE at TP 2 (experts cut
 on tp) stops and resumes bit for bit.
 Shared helpers: tests/integrations/test_torchtitan_parallel.py.
 """
@@ -109,6 +109,20 @@ def test_tensor_parallel_trains_the_model_data_parallelism_trains(tmp_path, dp2,
         assert loss == pytest.approx(dp2.results[0]["losses"][step], rel=1e-5), step
     for fqn, value in dp2.results[0]["weights"].items():
         difference = float((tensor_parallel[0]["weights"][fqn] - value).norm() / value.norm().clamp_min(1e-30))
+        assert difference < 1e-5, (fqn, difference)
+
+
+def test_hsdp_with_tensor_parallelism_trains_as_fsdp_with_it(tmp_path, tp2):
+    """dp_replicate 2 x tp 2 (matrices on (dp_replicate, fsdp, tp), each assembled from one
+    replica's pieces) against dp_shard 2 x tp 2: the same 2 data-parallel ranks and samples,
+    the same losses and weights up to float32 rounding."""
+    hsdp = train(tmp_path, data_parallel_replicate_degree=2, data_parallel_shard_degree=1, **TP2)
+    assert hsdp[0]["layouts"][MATRICES[0]][0] == ("dp_replicate", "fsdp", "tp")
+    assert_same(hsdp[0]["initial"], tp2[0]["initial"])
+    for step, loss in tp2[0]["losses"].items():
+        assert hsdp[0]["losses"][step] == pytest.approx(loss, rel=1e-5), step
+    for fqn, value in tp2[0]["weights"].items():
+        difference = float((hsdp[0]["weights"][fqn] - value).norm() / value.norm().clamp_min(1e-30))
         assert difference < 1e-5, (fqn, difference)
 
 
