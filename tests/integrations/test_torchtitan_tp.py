@@ -8,9 +8,9 @@ Muon update (``dedicate_params(sharded_matrices=)``). Checked: a run stopped aft
 checkpoint and resumed in fresh processes gives every loss, weight and optimizer state of an
 uninterrupted run bit for bit; that checkpoint loads at dp_shard 4 without TP (matrices
 dedicated there), weights and momentum exact; a checkpoint of dp_shard 2 resumed at TP 2 trains
-on as without TP, with and without sequence parallelism; the container's joint clipping counts each
-gradient once (shards on tp, replicas on tp divided); HSDP x TP trains as dp_shard 2 x tp 2; the tiny Qwen3 MoE at TP 2 (experts cut
-on tp) stops and resumes bit for bit.
+on as without TP, with and without sequence parallelism; the container's joint clipping counts
+each gradient once (shards on tp, replicas on tp divided); HSDP x TP trains as dp_shard 2 x tp 2;
+the tiny Qwen3 MoE at TP 2 (experts cut on tp) stops and resumes bit for bit.
 Shared helpers: tests/integrations/test_torchtitan_parallel.py.
 """
 import shutil
