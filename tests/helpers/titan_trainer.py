@@ -264,7 +264,8 @@ def run(config: Trainer.Config, *, stop_after: int | None = None, initial: bool 
     ``stop_after`` ends the loop early as a preempted job would, with the schedule of the full
     run. Returns ``{"losses": {step: loss}, "weights": {fqn: full fp32 tensor}, "step": last,
     "dedicated": [fqn, ...], "matrices": [fqn of a sharded matrix (TP), ...], "optimizer": container class
-    name, "parts": model parts here, "layouts": {fqn: (mesh dim names, placements, local shape)} of this rank's parameters}``;
+    name, "parts": model parts here, "layouts": {fqn: (mesh dim names, placements, local shape)} of this
+    rank's parameters}``;
     with ``initial``, also ``"initial"``: the weights as built, before training or loading;
     with ``optimizer_state``, also ``"optimizer_state"``: the container's flat state dict whole.
     A rank without the last pipeline stage logs a loss of -1 (torchtitan's placeholder) summed
@@ -298,7 +299,8 @@ def run(config: Trainer.Config, *, stop_after: int | None = None, initial: bool 
     layouts = {fqn: (p.device_mesh.mesh_dim_names, tuple(p.placements), tuple(p.to_local().shape))
                for part in trainer.model_parts for fqn, p in part.named_parameters() if isinstance(p, DTensor)}
     return {**out, "losses": losses, "step": trainer.step, "dedicated": sorted(dedicated),
-            "matrices": sorted(matrices), "optimizer": type(trainer.optimizers).__name__, "parts": len(trainer.model_parts), "layouts": layouts}
+            "matrices": sorted(matrices), "optimizer": type(trainer.optimizers).__name__,
+            "parts": len(trainer.model_parts), "layouts": layouts}
 
 
 def full_weights(model_parts: list[torch.nn.Module]) -> dict[str, torch.Tensor]:

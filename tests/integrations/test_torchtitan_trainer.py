@@ -155,7 +155,7 @@ def test_tensor_parallelism_needs_torchtitans_module_parallelize():
         raise AssertionError("the wrapped parallelize_fn must not run")
 
     dims = SimpleNamespace(tp_enabled=True, cp_enabled=False, dp_replicate_enabled=False)
-    with pytest.raises(NotImplementedError, match="Module.parallelize .its TP plan., which Linear does not have"):
+    with pytest.raises(NotImplementedError, match=r"Module.parallelize \(its TP plan\), which Linear does not have"):
         dedicated_parallelize(never)(torch.nn.Linear(2, 2), parallel_dims=dims,
                                      training=SimpleNamespace(max_norm=1.0, mixed_precision_param="float32"),
                                      parallelism=SimpleNamespace(spmd_backend="partial_dtensor"))
