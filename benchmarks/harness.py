@@ -24,6 +24,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -140,6 +141,33 @@ def measure(fn: Callable[[], Any]) -> dict[str, float]:
     cpu = cpu_seconds() - cpu_start
     dist.barrier()
     return {"wall_s": time.perf_counter() - start, "cpu_s": cpu}
+
+
+@dataclass
+class TrainedMethod:
+    """One way of training that a step benchmark compares: its model, the optimizers stepped
+    and zeroed together, the losses it saw, and (where counted) how many matrices this rank
+    orthogonalised in its last step."""
+
+    name: str
+    model: Any
+    optimizers: list
+    ns_per_step: Callable[[], int] = lambda: 0
+    losses: list = field(default_factory=list)
+
+    def step(self) -> None:
+        for opt in self.optimizers:
+            opt.step()
+
+    def zero_grad(self) -> None:
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=True)
+
+    def train_on(self, inputs: Any) -> None:
+        """Forward and backward of one batch; the loss kept."""
+        loss = self.model(inputs)
+        loss.backward()
+        self.losses.append(loss.item())
 
 
 def rotated(items: Sequence, repeat: int) -> tuple:

@@ -56,12 +56,11 @@ import pstats
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from harness import PeakRSS, paired_ratio, rotated, run_ranks, summary
+from harness import PeakRSS, TrainedMethod, paired_ratio, rotated, run_ranks, summary
 from wire import barrier_bytes, metered, wire_check
 
 METHODS = ("dmuon", "fsdp2+adamw", "gather-everywhere", "distmuon", "distmuon-fp32")
@@ -366,29 +365,7 @@ def dist_muon_layouts(model) -> dict:
     return {fqn: per_expert if is_stack(fqn, p) else owned for fqn, p in model.named_parameters() if is_muon(fqn)}
 
 
-@dataclass
-class Method:
-    name: str
-    model: Any
-    optimizers: list
-    ns_per_step: Callable[[], int] = lambda: 0  # matrices this rank orthogonalised in the last step
-    losses: list = field(default_factory=list)
-
-    def step(self) -> None:
-        for opt in self.optimizers:
-            opt.step()
-
-    def zero_grad(self) -> None:
-        for opt in self.optimizers:
-            opt.zero_grad(set_to_none=True)
-
-    def forward_backward(self, shape: Shape, step: int) -> None:
-        loss = self.model(batch(shape, step))
-        loss.backward()
-        self.losses.append(loss.item())
-
-
-def build_method(name: str, shape: Shape, meshes: Meshes) -> Method:
+def build_method(name: str, shape: Shape, meshes: Meshes) -> TrainedMethod:
     import torch
 
     import dmuon
@@ -400,10 +377,10 @@ def build_method(name: str, shape: Shape, meshes: Meshes) -> Method:
         # from its plans: the dense matrices this rank owns, the experts it orthogonalises
         owned = sum(1 for rec in opt.dedicated_of.values() if rec.uses_muon and rec.is_global_owner)
         owned += sum(len(plan.mine()) for plan in opt.stack_plans.values())
-        return Method(name, model, [opt], lambda: owned)
+        return TrainedMethod(name, model, [opt], lambda: owned)
     named = list(model.named_parameters())
     if name == "fsdp2+adamw":
-        return Method(name, model, [torch.optim.AdamW([p for _, p in named], **ADAMW)])
+        return TrainedMethod(name, model, [torch.optim.AdamW([p for _, p in named], **ADAMW)])
     matrices = [(n, p) for n, p in named if is_muon(n)]
     rest = [(n, p) for n, p in named if not is_muon(n)]
     adamw = torch.optim.AdamW(rest, **ADAMW)  # (name, param) pairs: param_names in its groups
@@ -414,7 +391,7 @@ def build_method(name: str, shape: Shape, meshes: Meshes) -> Method:
             count, muon.orthogonalised = muon.orthogonalised, 0
             return count
 
-        return Method(name, model, [muon, adamw], counted)
+        return TrainedMethod(name, model, [muon, adamw], counted)
     assert name in ("distmuon", "distmuon-fp32"), name
     from torchtitan.distributed.flex_shard import BucketConfig, build_dist_muon
 
@@ -430,7 +407,7 @@ def build_method(name: str, shape: Shape, meshes: Meshes) -> Method:
         count, NewtonSchulzCounter.count = NewtonSchulzCounter.count, 0
         return count
 
-    return Method(name, model, [muon, adamw], counted)
+    return TrainedMethod(name, model, [muon, adamw], counted)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -471,7 +448,7 @@ def tensor_bytes(root: Any) -> int:
     return total
 
 
-def optimizer_bytes(method: Method) -> dict[str, int]:
+def optimizer_bytes(method: TrainedMethod) -> dict[str, int]:
     """This rank's optimizer state (``opt.state`` of every optimizer), and DistMuon's reserved
     communication and scratch buffers, which live as long as the optimizer."""
     state = sum(tensor_bytes(dict(opt.state)) for opt in method.optimizers)
@@ -497,7 +474,7 @@ def timed_job(rank: int, world: int, shape: Shape, ep: int, repeats: int, warmup
     for name in METHODS:
         method = methods[name] = build_method(name, shape, meshes)
         for step in range(warmup):
-            method.forward_backward(shape, step)
+            method.train_on(batch(shape, step))
             method.step()
             method.ns_per_step()
             method.zero_grad()
@@ -508,7 +485,7 @@ def timed_job(rank: int, world: int, shape: Shape, ep: int, repeats: int, warmup
         step = warmup + repeat
         for name in rotated(METHODS, repeat):
             method, row = methods[name], rows[name]
-            fb, fb_bytes = metered(functools.partial(method.forward_backward, shape, step))
+            fb, fb_bytes = metered(functools.partial(method.train_on, batch(shape, step)))
             st, st_bytes = metered(method.step)
             row["ns"].append(method.ns_per_step())
             method.zero_grad()
@@ -521,7 +498,7 @@ def timed_job(rank: int, world: int, shape: Shape, ep: int, repeats: int, warmup
     for name in METHODS:  # apart from the timing: the sampler thread takes CPU of its own
         method, step = methods[name], warmup + repeats
         with PeakRSS() as peak:
-            method.forward_backward(shape, step)
+            method.train_on(batch(shape, step))
             method.step()
             method.zero_grad()
         peaks[name] = peak.growth
@@ -541,7 +518,7 @@ def timed_job(rank: int, world: int, shape: Shape, ep: int, repeats: int, warmup
     return out
 
 
-def agreement(methods: dict[str, Method]) -> dict[str, float] | None:
+def agreement(methods: dict[str, TrainedMethod]) -> dict[str, float] | None:
     """After the same steps on the same data: the largest relative difference (Frobenius) of a
     Muon matrix from dmuon's, per method (rank 0; gathered whole)."""
     import dmuon
@@ -555,13 +532,13 @@ def agreement(methods: dict[str, Method]) -> dict[str, float] | None:
             for name, weights in theirs.items()}
 
 
-def profile_step(method: Method, shape: Shape, step: int, rank: int, steps: int = 5) -> str | None:
+def profile_step(method: TrainedMethod, shape: Shape, step: int, rank: int, steps: int = 5) -> str | None:
     """cProfile of dmuon's optimizer step on rank 0 (the others step unprofiled beside it)."""
     import torch.distributed as dist
 
     profiler = cProfile.Profile()
     for i in range(steps):
-        method.forward_backward(shape, step + i)
+        method.train_on(batch(shape, step + i))
         dist.barrier()
         if rank == 0:
             profiler.enable()
@@ -580,7 +557,7 @@ def profile_step(method: Method, shape: Shape, step: int, rank: int, steps: int 
 # ---------------------------------------------------------------------------------------------
 # checkpoints across topologies
 # ---------------------------------------------------------------------------------------------
-def titan_state(method: Method) -> dict:
+def titan_state(method: TrainedMethod) -> dict:
     """What torchtitan's checkpoint holds for a model and its optimizers: ``model.state_dict()``
     (DTensors, under the model's names) and each optimizer's state under
     ``state.{fqn}.{field}`` (its ``get_flat_optim_state_dict``; the state made first, as its
@@ -608,7 +585,7 @@ def titan_state(method: Method) -> dict:
     return {"model": method.model.state_dict(), "optim": optim}
 
 
-def save_checkpoints(methods: dict[str, Method], folder: str) -> dict:
+def save_checkpoints(methods: dict[str, TrainedMethod], folder: str) -> dict:
     import torch.distributed.checkpoint as dcp
 
     import dmuon.dcp as ddcp
@@ -638,7 +615,7 @@ def restore_job(rank: int, world: int, shape: Shape, folder: str, tag: str) -> d
                 dcp.load(state, checkpoint_id=f"{folder}/distmuon-ep2")  # in place, into the live tensors
                 dcp.save(titan_state(method), checkpoint_id=f"{folder}/distmuon-{tag}")
             # and the next step runs on the restored state
-            method.forward_backward(shape, 10_000)
+            method.train_on(batch(shape, 10_000))
             method.step()
             outcome[name] = "loaded"
         except Exception as error:  # a refusal is a result here

@@ -27,6 +27,7 @@ are paired (the median over rounds of ours / the peer's in the same round). The 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
@@ -36,9 +37,9 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import harness  # noqa: E402
-import raw_io  # noqa: E402
-from save_load import DIM, build, on_rank_zero, write_path_chosen  # noqa: E402
+import harness
+import raw_io
+from save_load import DIM, build, on_rank_zero, write_path_chosen
 
 TARGETS = {"script / kept": 1.1, "first / script": 1.5, "script / raw-best": 1.2}
 
@@ -81,7 +82,7 @@ def worker(rank: int, world: int, n_matrices: int, run_dir: str, repeats: int) -
         row = {}
         for name in harness.rotated(list(methods), repeat):
             target = fresh()
-            row[name] = harness.measure(lambda: methods[name](target))
+            row[name] = harness.measure(functools.partial(methods[name], target))
             on_rank_zero(shutil.rmtree, target)
         rounds.append(row)
     return {"first": first, "rounds": rounds, "share_bytes": share, "write_path": write_path_chosen()}
@@ -137,7 +138,8 @@ def main(argv=None) -> None:
             won = [r["method"] for r in series["raw-best"]]
             print("  raw-best was " + ", ".join(f"{m} {won.count(m)}x" for m in dict.fromkeys(won)))
             for name, value in found.items():
-                print(f"  {name:<18} {value:5.2f}  (target <= {TARGETS[name]}: {'met' if value <= TARGETS[name] else 'NOT met'})")
+                verdict = "met" if value <= TARGETS[name] else "NOT met"
+                print(f"  {name:<18} {value:5.2f}  (target <= {TARGETS[name]}: {verdict})")
     finally:
         shutil.rmtree(root, ignore_errors=True)
     if args.json:

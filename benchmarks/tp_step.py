@@ -45,14 +45,14 @@ import statistics
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
-from harness import paired_ratio, rotated, run_ranks, summary
+from harness import TrainedMethod, paired_ratio, rotated, run_ranks, summary
 from torch.utils._python_dispatch import TorchDispatchMode
-from tp_model import Llama, Shape, batch, build_model, is_muon, matrices_in_model
+from tp_model import Shape, batch, build_model, is_muon, matrices_in_model
 from wire import barrier_bytes, metered, wire_check
 
 METHODS = ("dmuon", "gather-everywhere")
@@ -144,38 +144,17 @@ class GatherEverywhereMuon:
             param.grad = None
 
 
-@dataclass
-class Method:
-    name: str
-    model: Llama
-    optimizers: list
-    losses: list = field(default_factory=list)
-
-    def step(self) -> None:
-        for opt in self.optimizers:
-            opt.step()
-
-    def zero_grad(self) -> None:
-        for opt in self.optimizers:
-            opt.zero_grad(set_to_none=True)
-
-    def forward_backward(self, shape: Shape, step: int, mesh) -> None:
-        loss = self.model(batch(shape, step, mesh))
-        loss.backward()
-        self.losses.append(loss.item())
-
-
-def build_method(name: str, shape: Shape, mesh) -> Method:
+def build_method(name: str, shape: Shape, mesh) -> TrainedMethod:
     import dmuon
 
     model = build_model(shape, mesh, dedicate=name == "dmuon")
     if name == "dmuon":
         opt = dmuon.Muon(model, **MUON, adamw_lr=ADAMW["lr"], adamw_betas=ADAMW["betas"], adamw_eps=ADAMW["eps"],
                          adamw_weight_decay=ADAMW["weight_decay"])
-        return Method(name, model, [opt])
+        return TrainedMethod(name, model, [opt])
     named = list(model.named_parameters())
     muon = GatherEverywhereMuon([p for n, p in named if is_muon(n)], **MUON)
-    return Method(name, model, [muon, torch.optim.AdamW([p for n, p in named if not is_muon(n)], **ADAMW)])
+    return TrainedMethod(name, model, [muon, torch.optim.AdamW([p for n, p in named if not is_muon(n)], **ADAMW)])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -199,7 +178,7 @@ def one_shape(shape: Shape, mesh, repeats: int, warmup: int) -> dict:
     collectives: dict[str, list[str]] = {}
     for name, method in methods.items():
         for step in range(warmup):
-            method.forward_backward(shape, step, mesh)
+            method.train_on(batch(shape, step, mesh))
             if step == warmup - 1:  # the last warm-up step, counted (not timed: the mode costs time)
                 with CollectiveCount() as counter:
                     method.step()
@@ -214,7 +193,7 @@ def one_shape(shape: Shape, mesh, repeats: int, warmup: int) -> dict:
     for repeat in range(repeats):
         for name in rotated(METHODS, repeat):
             method, row = methods[name], rows[name]
-            method.forward_backward(shape, warmup + repeat, mesh)
+            method.train_on(batch(shape, warmup + repeat, mesh))
             timing, sent = metered(method.step)
             row["ns"].append(NewtonSchulzCount.take())
             method.zero_grad()
@@ -230,7 +209,7 @@ def one_shape(shape: Shape, mesh, repeats: int, warmup: int) -> dict:
             "losses": {name: m.losses for name, m in methods.items()}, "barrier_pair_bytes": empty}
 
 
-def agreement(methods: dict[str, Method]) -> dict[str, float]:
+def agreement(methods: dict[str, TrainedMethod]) -> dict[str, float]:
     """After the same steps on the same data: the largest relative difference (Frobenius) of a
     weight from dmuon's, among the Muon matrices and among the rest (gathered whole)."""
     ours, theirs = (dict(methods[name].model.state_dict()) for name in METHODS)
