@@ -76,3 +76,12 @@ def test_hsdp_2x2_x_tp_2_trains_as_dp_4_and_its_checkpoint_loads_at_dp_4_and_tp_
         for name, value in saved_momenta.items():
             assert torch.equal(loaded_momenta[name], value), (layout, name)
 
+
+def test_a_tp_2_checkpoint_trains_on_at_tp_1_as_the_job_that_stayed_at_tp_2(tmp_path):
+    """Saved at dp 2 x tp 2 after three steps; three more there, and three at dp 4 from the load."""
+    path = str(tmp_path / "tp2")
+    stayed_losses, stayed_weights, stayed_momenta, _ = run("dp2xtp2", range(6), save=path, save_after=2)[0]
+    moved_losses, moved_weights, moved_momenta, _ = run("dp4_dedicated", range(3, 6), load=path)[0]
+    torch.testing.assert_close(torch.tensor(moved_losses), torch.tensor(stayed_losses[3:]), rtol=1e-6, atol=0)
+    close(moved_weights, stayed_weights, "weight")
+    close(moved_momenta, stayed_momenta, "momentum")
