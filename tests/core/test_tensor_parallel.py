@@ -42,15 +42,17 @@ def build(layout: str, layers: int = 2):
         tp.tensor_parallel(model, mesh["tp"], sequence_parallel=sequence_parallel)
         dp, tp_rank = mesh.get_coordinate()
         share = tp.Share(dp, 2, tp_rank, 2) if sequence_parallel else tp.Share(dp, 2)
-    elif layout == "hsdp2xtp2":  # HSDP x TP: 2 replicas of dp_shard 1, each TP 2
-        mesh = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+    elif layout in ("hsdp2xtp2", "hsdp2x2xtp2"):  # HSDP x TP: 2 replicas of dp_shard 1 (or 2), each TP 2
+        shards = 2 if layout == "hsdp2x2xtp2" else 1  # (8 ranks)
+        mesh = init_device_mesh("cpu", (2, shards, 2), mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
         dp_mesh = mesh["dp_replicate", "dp_shard"]
         replicas = mesh["dp_replicate"]
         dmuon.dedicate_params(
             model, mesh["dp_shard"], lambda f, p: False, replicate_mesh=replicas, sharded_matrices=tp.is_matrix
         )
         tp.tensor_parallel(model, mesh["tp"])
-        share = tp.Share(mesh.get_coordinate()[0], 2)
+        replica, shard, _ = mesh.get_coordinate()
+        share = tp.Share(replica * shards + shard, 2 * shards)
     else:
         dp_mesh = init_device_mesh("cpu", (dist.get_world_size(),))
         if layout == "dp4_dedicated":
@@ -61,7 +63,7 @@ def build(layout: str, layers: int = 2):
     for block in model.layers:
         fully_shard(block, mesh=dp_mesh)
     fully_shard(model, mesh=dp_mesh)
-    if layout == "hsdp2xtp2":
+    if layout.startswith("hsdp"):
         assert repr(tuple(model.layers[0].attention.wo.weight.placements)) == "(Replicate(), Shard(dim=0), Shard(dim=1))"
     return model, dmuon.Muon(model, **HPARAMS), full, share
 
