@@ -45,7 +45,9 @@ class CheckpointManager:
             copied to host memory. Needs ``keep >= 2``, since the step being written cannot be
             the only one kept.
         storage_options: passed to the store of ``root`` (fsspec options: endpoint,
-            credentials; ``direct_io`` for a local directory).
+            credentials; ``direct_io`` for a local directory: ``{"direct_io": False}`` for
+            steps meant to be restored on the node that wrote them, which then read them from
+            memory; the default follows ``storage/write_path.py``'s rule).
         key_prefixes: spread each step's data files over that many key prefixes (object
             storage with many writers; docs/checkpoint.md, "Key prefixes"); 0, off, by default.
         keep_last: the old name of ``keep`` (deprecated).
