@@ -67,6 +67,9 @@ class Phases:
 
 
 _CALL, _DONE = b"call", b"done"
+#: seconds :meth:`RollCall.close` waits for the answering thread to leave the store (it needs
+#: two requests; a store that does not answer is not waited for longer)
+_LEAVE_S = 2.0
 
 
 class RollCall:
@@ -101,10 +104,15 @@ class RollCall:
             return
 
     def close(self) -> None:
-        """The operation is over: release the answering thread."""
+        """The operation is over: release the answering thread, and wait until it has left the
+        store. A daemon thread still inside a store call when the interpreter finalizes is ended
+        from under pybind11's ``noexcept`` frames, and the process aborts ("terminate called
+        without an active exception"): that was the abort seen at the end of jobs whose last
+        async save the exit guard finished (docs/reliability.md, "Exit status")."""
         if self.store is not None:
             with contextlib.suppress(Exception):
                 self.store.compare_set(f"{self.base}/call/{self.rank}", "", _DONE)
+            self._thread.join(timeout=_LEAVE_S)
 
     def stopped(self, wait_s: float) -> list[int]:
         """Call the roll (or read the verdict of the rank that called it first): the ranks

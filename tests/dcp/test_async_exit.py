@@ -84,16 +84,15 @@ ENDINGS = {  # ending -> whether the job itself may exit 0
 @pytest.mark.parametrize("backend", ["local", "s3"])
 @pytest.mark.parametrize("ending", sorted(ENDINGS))
 def test_a_save_in_flight_at_the_end_of_the_job_is_committed(checkpoint_location, tmp_path, backend, ending):
-    for attempt in (1, 2, 3):
+    for attempt in (1, 2):
         path, options = checkpoint_location(backend, f"ckpt-{attempt}")
         out = tmp_path / f"out-{attempt}"
         code, output = finish(launch(path, out, ending, storage_options=options), out, ending)
-        if attempt < 3 and torch_teardown_abort(code, output, path) and ENDINGS[ending]:
-            # torch 2.13's gloo threads at interpreter exit, after dmuon's part was done (the
-            # save committed on every rank): seen with and without dmuon (docs/reliability.md,
-            # "Exit status", up to 5 jobs in 20). The project's rule for native crashes is
-            # another run, with a warning; two in a row were seen on a loaded machine, so up to
-            # three runs (a job that aborts three times fails the test)
+        if attempt == 1 and torch_teardown_abort(code, output, path) and ENDINGS[ending]:
+            # torch's own teardown at interpreter exit, after dmuon's part was done (the save
+            # committed on every rank): plain torch jobs abort so 1 time in 10 here
+            # (docs/reliability.md, "Exit status"; dmuon's own cause, its roll-call thread, is
+            # fixed). The project's rule for native crashes is one more run, with a warning
             warnings.warn(f"the job aborted at interpreter exit after committing; running it once more:\n"
                           f"{output[-1500:]}", stacklevel=1)
             continue
