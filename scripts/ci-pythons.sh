@@ -39,13 +39,14 @@ TESTS=(
 )
 # What a torch release's private names touch (dmuon/compat.py, fsdp_patch.py, exit_guard.py):
 # every compat name, the runtime and its state-dict hooks (meta init, compile, tensor-parallel
-# matrices), every entry point, async saves and their exit guard, torch's own readers and
-# writers, resume, the fixtures, the plan cache, torchtitan's trainer. Not the pipeline and
-# expert-parallel torchtitan runs (torch's public schedules, minutes each: the main suite).
+# matrices, expert stacks on DTensor's private strided shards), the docs' examples, every entry
+# point, async saves and their exit guard, torch's own readers and writers, resume, the
+# fixtures, the plan cache, torchtitan's trainer. Not the pipeline and expert-parallel
+# torchtitan runs (torch's public schedules, minutes each: the main suite).
 TORCH_TESTS=(
     tests/core/test_compat.py tests/core/test_state_dict.py tests/core/test_runtime_cases.py
     tests/core/test_meta_init.py tests/core/test_compile.py tests/core/test_exit_guard_release.py
-    tests/core/test_tensor_parallel.py
+    tests/core/test_tensor_parallel.py tests/core/test_expert_stacks.py tests/core/test_docs_examples.py
     tests/dcp/test_entry_points.py tests/dcp/test_async.py tests/dcp/test_async_exit.py
     tests/dcp/test_torch_compat.py tests/dcp/test_resume.py tests/dcp/test_format_compat.py
     tests/dcp/test_plan_cache.py tests/integrations/test_torchtitan.py
