@@ -58,7 +58,7 @@ def test_growing_parts_make_one_object_through_a_real_server(request, backend):
         with S3ParallelWriter(store.fs, path, part_bytes=first, concurrency=3, parts_per_size=3) as f:
             for _ in range(size // len(block)):
                 f.write(block)
-            parts = f._parts_sent + (1 if f._part else 0)
+            parts = f._parts_sent + (1 if f._filled else 0)
         assert parts == len(parts_for(size, first, 3)) == 7
         assert store.fs.size(path) == size
         assert store.fs.cat_file(path) == block * (size // len(block))
@@ -80,7 +80,7 @@ def test_an_object_past_10000_of_its_smallest_parts_through_a_real_server(rgw_se
         with S3ParallelWriter(store.fs, path, part_bytes=first, concurrency=8) as f:
             for _ in range(size // len(block)):
                 f.write(block)
-            parts = f._parts_sent + (1 if f._part else 0)
+            parts = f._parts_sent + (1 if f._filled else 0)
         assert size > 10_000 * first and parts == len(parts_for(size, first)) < 10_000
         assert store.fs.size(path) == size
         assert store.fs.cat_file(path) == block * (size // len(block))

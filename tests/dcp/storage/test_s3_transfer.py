@@ -1,13 +1,14 @@
 """The parallel S3 streams (dmuon/dcp/s3_transfer.py) against real S3 servers over HTTP:
 multipart uploads with several parts in flight, read-ahead with seeks, aborts that leave
 nothing behind. SeaweedFS and Ceph RGW (which enforces S3's 5 MiB minimum part size)."""
+import asyncio
 import os
 import random
 
 import pytest
 
 from dmuon.dcp.storage.fsspec_store import FsspecStore
-from dmuon.dcp.storage.s3_transfer import S3_PART_BYTES, S3ParallelReader, S3ParallelWriter
+from dmuon.dcp.storage.s3_transfer import S3_PART_BYTES, PartBody, S3ParallelReader, S3ParallelWriter
 
 PART = 5 << 20  # S3's smallest part
 
@@ -97,3 +98,34 @@ def test_a_refused_part_surfaces_in_the_writer(s3_store):
         f.write(os.urandom(PART))
         f.close()
     assert "aborted" not in s3_store.list()
+
+
+def test_part_body_hands_over_views_of_the_part_not_copies():
+    part = bytearray(random.Random(1).randbytes(5 * 1024 + 7))
+    body = PartBody(memoryview(part)[:5000], piece=1024)
+
+    async def pieces():
+        return [piece async for piece in body]
+
+    got = asyncio.run(pieces())
+    assert len(body) == 5000 and [len(p) for p in got] == [1024] * 4 + [904]
+    assert all(isinstance(p, memoryview) and p.obj is part for p in got)  # the part's own buffer
+    assert b"".join(got) == part[:5000]
+    assert asyncio.run(pieces()) == got  # sent again from the start (a retried request)
+    assert body.read(10) == part[:10] and body.tell() == 10
+    body.seek(0)
+    assert body.read() == part[:5000] and body.read() == b""
+
+
+def test_part_buffers_are_reused_and_the_parts_intact(s3_store):
+    rng = random.Random(2)
+    data = rng.randbytes(6 * PART + 99)
+    path = _path(s3_store, "reused")
+    filled: list[bytearray] = []  # every buffer a part was filled in (kept, so none is freed and its id reused)
+    with S3ParallelWriter(s3_store.fs, path, part_bytes=PART, concurrency=2) as f:
+        for start in range(0, len(data), 1 << 20):
+            f.write(data[start : start + (1 << 20)])
+            if f._filled and not any(b is f._part for b in filled):
+                filled.append(f._part)
+    assert s3_store.fs.cat_file(path) == data
+    assert len(filled) <= 2 + 1  # at most concurrency + 1 buffers for 7 parts
