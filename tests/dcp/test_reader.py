@@ -6,7 +6,7 @@ import torch.distributed.checkpoint as dcp
 import dmuon.dcp as ddcp
 from dmuon.dcp.checkpoint import open_checkpoint
 from dmuon.dcp.storage.fsspec_store import FsspecStore
-from dmuon.dcp.storage.s3_transfer import S3ParallelReader
+from dmuon.dcp.storage.s3_reader import S3ParallelReader
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # one process, on purpose
 

@@ -10,7 +10,8 @@
 ``write_behind``    buffered writes whose writeback starts while the file is written
 ``write_path``      direct or buffered writes for a filesystem: the rule, logged once
 ``fsspec_store``    ``FsspecStore``: S3, GCS and everything else fsspec reaches
-``s3_transfer``     S3 streams with several requests in flight
+``s3_transfer``     S3 writes with several parts in flight (and their throttling retries)
+``s3_reader``       S3 reads with several ranged GETs in flight, ahead of the reader
 ==================  ===========================================================================
 
 Nothing here knows of models, DCP or the checkpoint format. The package itself offers the

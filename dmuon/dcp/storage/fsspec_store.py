@@ -4,7 +4,7 @@ Object stores make each upload appear whole when it completes, so nothing here f
 this adds over plain fsspec: a conditional create for the commit (S3 ``If-None-Match``, GCS
 ``ifGenerationMatch=0``) with a read-back that recognises one's own retried write, bounded
 client retries on S3, no partial object left by a failed upload, several requests in flight
-per S3 stream (``s3_transfer.py``), and large read-ahead elsewhere.
+per S3 stream (``s3_transfer.py``, ``s3_reader.py``), and large read-ahead elsewhere.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ import fsspec
 
 from .base import checked_name
 from .retry import DeadlinePassed, RetryPolicy, endpoint_unreachable, exception_chain, storage_errors, throttled
-from .s3_transfer import S3ParallelReader, S3ParallelWriter
+from .s3_reader import S3ParallelReader
+from .s3_transfer import S3ParallelWriter
 
 __all__ = [
     "DEADLINE_OPTION",

@@ -1,4 +1,4 @@
-"""The parallel S3 streams (dmuon/dcp/s3_transfer.py) against real S3 servers over HTTP:
+"""The parallel S3 streams (dmuon/dcp/storage/s3_transfer.py and s3_reader.py) against real S3 servers over HTTP:
 multipart uploads with several parts in flight, read-ahead with seeks, aborts that leave
 nothing behind. SeaweedFS and Ceph RGW (which enforces S3's 5 MiB minimum part size)."""
 import asyncio
@@ -8,7 +8,8 @@ import random
 import pytest
 
 from dmuon.dcp.storage.fsspec_store import FsspecStore
-from dmuon.dcp.storage.s3_transfer import S3_PART_BYTES, PartBody, S3ParallelReader, S3ParallelWriter
+from dmuon.dcp.storage.s3_reader import S3ParallelReader
+from dmuon.dcp.storage.s3_transfer import S3_PART_BYTES, PartBody, S3ParallelWriter
 
 PART = 5 << 20  # S3's smallest part
 
