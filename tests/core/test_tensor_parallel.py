@@ -177,14 +177,7 @@ def train_worker(rank, world, layout):
     model, opt, _, share = build(layout)
     losses = []
     for step in range(STEPS):
-        x, y = share.inputs(step)
-        loss = tp.loss_of(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        whole = loss.detach().clone()
-        dist.all_reduce(whole)  # every rank's share (tensor-parallel ranks hold the same one)
-        losses.append(whole.item() / world)
+        losses.append(tp.train_step(model, opt, share, step))
     homed = sum(1 for plan in opt.matrix_plans.values() if plan.home == plan.rank)
     if layout == "dp4_dedicated":
         return losses, dmuon.get_model_state_dict(model), homed
@@ -281,10 +274,7 @@ def checkpoint_worker(rank, world, path, door, layout, role):
     if role == "save":
         model, opt, _, share = build(layout)
         for step in range(3):
-            x, y = share.inputs(step)
-            tp.loss_of(model(x), y).backward()
-            opt.step()
-            opt.zero_grad()
+            tp.train_step(model, opt, share, step)
         if door == "dmuon":
             dmuon.dcp.save(model, opt, path)
         elif door == "flat":  # dmuon's flat dicts, gathered on rank 0

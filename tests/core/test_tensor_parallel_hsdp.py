@@ -8,7 +8,6 @@ on as the job that stayed at TP 2 does.
 """
 
 import torch
-import torch.distributed as dist
 
 import dmuon
 from tests.core.test_tensor_parallel import build, momenta, weights
@@ -30,14 +29,7 @@ def steps_worker(rank, world, layout, steps, load=None, save=None, save_after=No
         dmuon.dcp.load(model, opt, load)
     losses = []
     for step in steps:
-        x, y = share.inputs(step)
-        loss = tp.loss_of(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        whole = loss.detach().clone()
-        dist.all_reduce(whole)  # every rank's share (tensor-parallel ranks hold the same one)
-        losses.append(whole.item() / world)
+        losses.append(tp.train_step(model, opt, share, step))
         if save is not None and step == (steps[-1] if save_after is None else save_after):
             dmuon.dcp.save(model, opt, save)
     homed = sum(1 for plan in opt.matrix_plans.values() if plan.home == plan.rank)

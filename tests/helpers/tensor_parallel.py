@@ -134,3 +134,18 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def loss_of(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return (out - target).pow(2).mean()
+
+
+def train_step(model: nn.Module, opt, share, step: int) -> float:
+    """One optimizer step on this rank's share of batch ``step``; the job's mean loss (every
+    rank's share summed, divided by the world: tensor-parallel ranks hold the same share)."""
+    import torch.distributed as dist
+
+    x, y = share.inputs(step)
+    loss = loss_of(model(x), y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    whole = loss.detach().clone()
+    dist.all_reduce(whole)
+    return whole.item() / dist.get_world_size()
