@@ -37,7 +37,8 @@ LOCAL_DIRECT_IO_OPTION = "direct_io"
 
 # Filesystems on a block device whose O_DIRECT is plain (no network or cluster semantics, no
 # data checksums that a buffer could race with): there streamed files are written direct by
-# default (write_path.py). Elsewhere (tmpfs, NFS, Lustre, btrfs, ...) files are written through the page cache.
+# default (write_path.py). Elsewhere (tmpfs, NFS, Lustre, btrfs, ...) they go through the page
+# cache.
 DIRECT_IO_FILESYSTEMS = frozenset({"ext4", "xfs"})
 
 

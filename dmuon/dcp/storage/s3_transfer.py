@@ -246,7 +246,7 @@ class S3ParallelWriter:
         return part
 
     def _call(self, what: str, method: str, **kwargs: Any) -> Any:
-        """``method`` on this object, sent again while throttled (``_Requests``)."""
+        """``method`` on this object, sent again while throttled (:class:`ThrottledRequests`)."""
         return self._requests(what, lambda: self.fs.call_s3(method, Bucket=self.bucket, Key=self.key, **kwargs))
 
     def close(self) -> None:

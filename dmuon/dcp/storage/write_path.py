@@ -74,10 +74,12 @@ def forget_choices() -> None:
 
 def choose_write_path(root: str, direct_io: bool | None, direct_is_plain: bool) -> WritePathChoice:
     """The way for streamed files under the existing directory ``root``: the ``direct_io``
-    option when given, else direct exactly where ``direct_is_plain``; logged once per
-    filesystem and answer."""
+    option when given, else direct exactly where ``direct_is_plain`` (and the filesystem has
+    not refused ``O_DIRECT`` in this process); logged once per filesystem and answer."""
     if direct_io is None:
-        choice = DIRECT_BY_RULE if direct_is_plain else BUFFERED_BY_RULE
+        with _lock:  # a filesystem that refused O_DIRECT in this process is not asked again
+            refused = _logged.get(os.stat(root).st_dev) == REFUSED
+        choice = REFUSED if refused else DIRECT_BY_RULE if direct_is_plain else BUFFERED_BY_RULE
     else:
         choice = DIRECT_ASKED if direct_io else BUFFERED_ASKED
     note(root, choice)

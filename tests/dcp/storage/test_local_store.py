@@ -261,3 +261,15 @@ def test_an_explicit_direct_io_option_wins_over_the_rule(tmp_path, direct):
     assert list(write_path.known_choices().values()) == [write_path.DIRECT_ASKED if direct else write_path.BUFFERED_ASKED]
     assert store.read("data") == b"x" * 5000
     write_path.forget_choices()
+
+
+def test_a_filesystem_that_refused_o_direct_is_not_asked_again(tmp_path):
+    write_path.forget_choices()
+    root = str(tmp_path)
+    assert write_path.choose_write_path(root, None, True) == write_path.DIRECT_BY_RULE
+    write_path.note(root, write_path.REFUSED)  # what LocalStore says when the open fails with EINVAL
+    assert write_path.choose_write_path(root, None, True) == write_path.REFUSED
+    assert write_path.choose_write_path(root, True, True) == write_path.DIRECT_ASKED  # the option still wins
+    write_path.forget_choices()
+    assert write_path.choose_write_path(root, None, True) == write_path.DIRECT_BY_RULE
+    write_path.forget_choices()
