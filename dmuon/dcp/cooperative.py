@@ -4,12 +4,18 @@ sent to the others over the process group.
 Under HSDP every replica group needs the same shards, and every rank of a dedicated weight's
 shard column needs the whole weight: with a plain per-rank read, a job of R replicas reads the
 checkpoint R times from S3 or GCS. A restart then costs R times the bytes and, when the store's
-bandwidth is the limit, R times the wall time. Here the coordinator, which sees every rank's
-load plan, finds the read items that several ranks request for exactly the same stored region
-(same item, same offsets and lengths: identical copies), gives each one reader, chosen to
-balance bytes across ranks (what a rank must read anyway counts), and tells the others to
-receive it. Ranks then read what they were given -- verifying every byte against its checksum,
-as always -- and exchange the shared regions point to point.
+bandwidth is the limit, R times the wall time. Here the read items that several ranks request
+for exactly the same stored region (same item, same offsets and lengths: identical copies) get
+one reader each, chosen to balance bytes across ranks (what a rank must read anyway counts),
+and the others receive them. Ranks then read what they were given -- verifying every byte
+against its checksum, as always -- and exchange the shared regions point to point.
+
+Who finds the shared regions: under HSDP, the ranks of each replica group among themselves
+(:func:`share_among_replicas`: an all-gather of their requests over the R replicas, and the
+same assignment computed on each), so no plan travels to a coordinator and what a rank
+receives does not grow with the job (dmuon's own load, ``load_protocol.run_load``). Under
+torch's ``dcp.load``, or where the tensors lie on several meshes, the coordinator, which sees
+every rank's plan (:func:`assign_readers`).
 
 Failures stay loud: before any exchange every rank reports whether its reads succeeded (one
 all-reduce of one number; their errors gathered only when one failed), so a corrupt or missing
@@ -35,6 +41,7 @@ machines notwithstanding; unset is the behaviour above.
 from __future__ import annotations
 
 import os
+import zlib
 from collections import defaultdict
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
@@ -43,6 +50,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
+from torch.distributed.tensor import DTensor, Replicate
 
 from .errors import CheckpointError
 from .group_transport import GroupTransport, exchange_device
@@ -50,11 +58,16 @@ from .transport import Attempt
 
 __all__ = [
     "COOPERATIVE_ENV",
+    "IRREGULAR",
+    "NO_REPLICAS",
     "RankShare",
+    "ReplicaLayout",
     "Transfer",
     "assign_readers",
     "cooperative_setting",
     "read_shared",
+    "replica_layout",
+    "share_among_replicas",
     "share_of",
 ]
 
@@ -94,6 +107,83 @@ class RankShare:
 
     sends: dict[int, Transfer] = field(default_factory=dict)  # index in the rank's plan -> transfer
     receives: dict[int, Transfer] = field(default_factory=dict)
+    #: the process group the transfers' ranks are numbered in and travel over (a replica group,
+    #: :func:`share_among_replicas`); None: the load's own group (the coordinator's assignment)
+    group: Any = None
+
+
+@dataclass(frozen=True)
+class ReplicaLayout:
+    """Where a rank's identical copies are: the one dimension of the one device mesh along
+    which every distributed tensor it loads is replicated (HSDP's replicate dimension). The
+    ranks along it hold the same shards and the same dedicated weights: what they read alike
+    is found among them (:func:`share_among_replicas`), a few ranks however large the job,
+    instead of on a coordinator that gathers every rank's plan."""
+
+    mesh: Any  # torch's DeviceMesh
+    dim: int
+
+    @property
+    def signature(self) -> int:
+        """The same number on every rank of a job that found the same layout (positive)."""
+        names = self.mesh.mesh_dim_names or ()
+        text = repr((tuple(self.mesh.mesh.shape), tuple(names), self.dim))
+        return zlib.crc32(text.encode()) + 1
+
+
+#: what :func:`replica_layout` says when no two ranks hold the same tensors (an FSDP2 1-D mesh)
+NO_REPLICAS = 0
+#: ... and when the tensors are on several meshes, or none: only the coordinator can tell
+IRREGULAR = -1
+
+
+def replica_layout(state: dict[str, Any]) -> ReplicaLayout | int:
+    """The layout of this rank's (flattened) load destinations: a :class:`ReplicaLayout`,
+    :data:`NO_REPLICAS` or :data:`IRREGULAR`."""
+    mesh = None
+    replicated: list[bool] | None = None
+    for value in state.values():
+        if not isinstance(value, DTensor):
+            continue
+        if mesh is None:
+            mesh, replicated = value.device_mesh, [True] * value.device_mesh.ndim
+        elif value.device_mesh != mesh:
+            return IRREGULAR
+        assert replicated is not None
+        for dim, placement in enumerate(value.placements):
+            replicated[dim] = replicated[dim] and isinstance(placement, Replicate)
+    if mesh is None or replicated is None:
+        return IRREGULAR
+    dims = [dim for dim, whole in enumerate(replicated) if whole and mesh.size(dim) > 1]
+    if not dims:
+        return NO_REPLICAS
+    return ReplicaLayout(mesh, dims[0]) if len(dims) == 1 else IRREGULAR
+
+
+def share_among_replicas(
+    plan: LoadPlan,
+    layout: ReplicaLayout,
+    dtypes: dict[str, torch.dtype],
+    locations: dict[Any, Any],
+    node: int | None,
+) -> LoadPlan:
+    """Collective over ``layout``'s replica group: ``plan`` with this rank's share of the
+    regions several of the group's ranks read. The replicas share the regions their plans
+    name (one all-gather of a few numbers and a key per item, over the replicas only: its
+    bytes grow with the model, not with the job) and each computes the same assignment
+    (:func:`assign_readers`' rule) from them; what they do not all hold (the state of a
+    weight one replica updates) stays with the rank that holds it. ``node``: this rank's
+    machine, where ranks of one machine each read for themselves (a local path); None: share
+    between every pair."""
+    group = layout.mesh.get_group(layout.dim)
+    replicas = GroupTransport(group, spans_operation=False)
+    everyone = replicas.share((_requests(plan, dtypes, locations), node))
+    machines = range(replicas.world) if node is None else [machine for _, machine in everyone]
+    shares = _assign([requests for requests, _ in everyone], machines)
+    if shares is None:
+        return plan
+    shares[replicas.rank].group = group
+    return _with_share(plan, shares[replicas.rank])
 
 
 def _region(item: ReadItem) -> tuple:
@@ -108,6 +198,26 @@ def _nbytes(item: ReadItem, dtypes: dict[str, torch.dtype]) -> int:
         size *= length
     dtype = dtypes.get(item.storage_index.fqn)
     return size * (dtype.itemsize if dtype is not None else 1)
+
+
+#: one tensor read of a rank's plan, as the assignment sees it:
+#: (region, bytes, file, offset in the file, position in the plan)
+_Request = tuple[tuple, int, str, int, int]
+
+
+def _requests(plan: LoadPlan, dtypes: dict[str, torch.dtype], locations: dict[Any, Any]) -> list[_Request]:
+    out = []
+    for position, item in enumerate(plan.items):
+        if item.type != LoadItemType.BYTE_IO:
+            where = locations[item.storage_index]
+            out.append((_region(item), _nbytes(item, dtypes), where.relative_path, where.offset, position))
+    return out
+
+
+def _with_share(plan: LoadPlan, share: RankShare) -> LoadPlan:
+    data = dict(plan.storage_data) if isinstance(plan.storage_data, dict) else {}
+    data[_PLAN_KEY] = share
+    return LoadPlan(plan.items, storage_data=data, planner_data=plan.planner_data)
 
 
 def assign_readers(
@@ -130,27 +240,34 @@ def assign_readers(
     come in one request, not many small ones from several ranks. Deterministic (ties go to the
     lowest rank), so it is the same whoever runs it.
     """
-    # a rank's machine; without ``nodes`` every rank is a machine of its own
-    machine: Sequence[Hashable] = nodes if nodes is not None else range(len(plans))
-    wanted: dict[tuple, list[tuple[int, int]]] = defaultdict(list)  # region -> [(rank, index in plan)]
-    for rank, plan in enumerate(plans):
-        for position, item in enumerate(plan.items):
-            if item.type != LoadItemType.BYTE_IO:
-                wanted[_region(item)].append((rank, position))
-    load = [0] * len(plans)
+    machines: Sequence[Hashable] = nodes if nodes is not None else range(len(plans))
+    shares = _assign([_requests(plan, dtypes, locations) for plan in plans], machines)
+    if shares is None:
+        return plans  # nothing shared: no rank exchanges anything, and no collective is added
+    return [_with_share(plan, share) for plan, share in zip(plans, shares)]
+
+
+def _assign(requests: list[list[_Request]], machine: Sequence[Hashable]) -> list[RankShare] | None:
+    """:func:`assign_readers`' rule over every rank's requests (``machine``: each rank's);
+    None where no region is shared."""
+    wanted: dict[tuple, list[tuple[int, int]]] = defaultdict(list)  # region -> [(rank, position)]
+    about: dict[tuple, tuple[int, str, int]] = {}  # region -> (bytes, file, offset)
+    for rank, mine in enumerate(requests):
+        for region, nbytes, file, offset, position in mine:
+            wanted[region].append((rank, position))
+            about.setdefault(region, (nbytes, file, offset))
+    load = [0] * len(requests)
     shared = []
     for region, askers in wanted.items():
-        item = plans[askers[0][0]].items[askers[0][1]]
-        nbytes = _nbytes(item, dtypes)
+        nbytes, file, offset = about[region]
         if len({machine[rank] for rank, _ in askers}) == 1:
             for rank, _ in askers:
                 load[rank] += nbytes
         else:
-            where = locations[item.storage_index]
-            shared.append(((where.relative_path, where.offset, region), nbytes, askers))
+            shared.append(((file, offset, region), nbytes, askers))
     if not shared:
-        return plans  # nothing shared: no rank exchanges anything, and no collective is added
-    shares = [RankShare() for _ in plans]
+        return None
+    shares = [RankShare() for _ in requests]
     shared.sort(key=lambda entry: entry[0])
     previous: tuple[str, int] | None = None  # (file, reader) of the region before
     for tag, ((file, _, _), nbytes, askers) in enumerate(shared):
@@ -173,12 +290,7 @@ def assign_readers(
                 read_by_source = True
             elif rank != source and rank not in mates:  # (the same region twice on one rank: read twice)
                 shares[rank].receives[position] = transfer
-    out = []
-    for plan, share in zip(plans, shares):
-        data = dict(plan.storage_data) if isinstance(plan.storage_data, dict) else {}
-        data[_PLAN_KEY] = share
-        out.append(LoadPlan(plan.items, storage_data=data, planner_data=plan.planner_data))
-    return out
+    return shares
 
 
 def share_of(plan: LoadPlan) -> RankShare | None:

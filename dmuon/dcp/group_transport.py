@@ -39,12 +39,20 @@ def exchange_device(group: Any) -> torch.device:
 class GroupTransport(Transport):
     """The rounds over ``group`` (None: the default group), every rank of it a member."""
 
-    def __init__(self, group: Any = None) -> None:
+    def __init__(self, group: Any = None, *, spans_operation: bool = True) -> None:
+        """``spans_operation=False``: a group of some of the operation's ranks (its errors
+        are not yet known to the others: ``Transport.spans_operation``)."""
         super().__init__()
         self.group = group
+        self.spans_operation = spans_operation
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
         self._roll_call: RollCall | None = None
+
+    def _job_rank(self, rank: int) -> int:
+        if self.spans_operation or self.group is None:
+            return rank
+        return dist.get_global_rank(self.group, rank)
 
     @contextlib.contextmanager
     def _watching(self) -> Iterator[None]:

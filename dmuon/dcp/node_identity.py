@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import os
 import socket
+import zlib
 
-__all__ = ["NODE_RANK_ENV", "this_node"]
+__all__ = ["NODE_RANK_ENV", "node_number", "this_node"]
 
 #: torchrun's name for the node's rank in the job.
 NODE_RANK_ENV = "GROUP_RANK"
@@ -21,3 +22,8 @@ def this_node() -> int | str:
     """This rank's node: torchrun's node rank where it is set, else the host name."""
     value = os.environ.get(NODE_RANK_ENV, "")
     return int(value) if value.isdigit() else socket.gethostname()
+
+
+def node_number() -> int:
+    """:func:`this_node` as a non-negative number, for rounds that carry numbers only."""
+    return zlib.crc32(str(this_node()).encode())

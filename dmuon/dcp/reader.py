@@ -26,13 +26,20 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from .checkpoint import CheckpointListing, open_checkpoint
-from .cooperative import assign_readers, cooperative_setting, read_shared, share_of
+from .cooperative import (
+    ReplicaLayout,
+    assign_readers,
+    cooperative_setting,
+    read_shared,
+    share_among_replicas,
+    share_of,
+)
 from .errors import CheckpointCorruptError
 from .format.manifest import ItemChecksums
 from .format.tensor_bytes import tensor_memory
 from .group_transport import GroupTransport
 from .host_staging import DeviceUploads
-from .node_identity import this_node
+from .node_identity import node_number, this_node
 from .rank_failure import Phases
 from .storage.base import ReadAheadStream, checked_name
 from .storage.registry import is_remote
@@ -128,6 +135,15 @@ class DMuonStorageReader(StorageReader):
             ]
         return assign_readers(plans, self._stored_dtypes(), self._listing().metadata.storage_data, nodes)
 
+    def share_among_replicas(self, plan: LoadPlan, layout: ReplicaLayout) -> LoadPlan:
+        """Collective over ``layout``'s replica group: this rank's ``plan`` with its share of
+        what the replicas all read (``cooperative.share_among_replicas``), where this reader
+        shares at all; without a gather of plans (``load_protocol.run_load``)."""
+        if cooperative_setting(self.cooperative) is False:
+            return plan
+        node = node_number() if self._exchange_across_nodes_only() else None
+        return share_among_replicas(plan, layout, self._stored_dtypes(), self._listing().metadata.storage_data, node)
+
     def wants_global_plan(self) -> bool | None:
         """Does a load need every rank's plan on the coordinator (a cooperative assignment of
         readers)? None: only if the ranks are on more than one machine (``load_protocol.py``)."""
@@ -156,7 +172,9 @@ class DMuonStorageReader(StorageReader):
                 self._read_items(plan.items, planner)
             else:
                 transport = self.transport
-                if not isinstance(transport, GroupTransport):
+                if share.group is not None:  # (a replica group: share_among_replicas)
+                    transport = GroupTransport(share.group, spans_operation=False)
+                elif not isinstance(transport, GroupTransport):
                     transport = GroupTransport(self.process_group)
                 read_shared(plan, share, planner, self._read_items, self._stored_dtypes(), transport)
         if self.phases is not None:

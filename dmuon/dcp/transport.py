@@ -168,6 +168,10 @@ class Transport:
     world: int = 1
     #: the process group the rounds run over (for point-to-point transfers); None: none
     group: Any = None
+    #: do this transport's ranks make up the whole operation? A round over part of it (a
+    #: cooperative load's replicas) raises errors that the operation's own round must still
+    #: carry to the other ranks (``Attempt`` keeps them instead of letting them through)
+    spans_operation: bool = True
 
     def __init__(self) -> None:
         self.title = ""  # the operation in progress (a save, a load), named in errors
@@ -199,6 +203,11 @@ class Transport:
 
     def barrier(self) -> None:
         raise NotImplementedError
+
+    def _job_rank(self, rank: int) -> int:
+        """How errors name this transport's ``rank``: as the job does, where the transport
+        is part of an operation (``spans_operation`` False), else as the transport does."""
+        return rank
 
     def _watching(self) -> contextlib.AbstractContextManager[None]:
         """What an operation runs under to name a rank that stops (``group_transport.py``)."""
@@ -286,7 +295,7 @@ class Transport:
     # -- failures --------------------------------------------------------------------------------
     def _raise_everyones(self, failure: Failure, what: str, error: type[Exception] | None) -> None:
         everyone = self._all_gather(_problem(failure))
-        failed = {rank: problem for rank, problem in enumerate(everyone) if problem is not None}
+        failed = {self._job_rank(rank): problem for rank, problem in enumerate(everyone) if problem is not None}
         raise self._error(failed, what, error) from _own(failure)
 
     def _error(
@@ -303,5 +312,5 @@ class Transport:
             text = f"{what}: {failed[ranks[0]][1] if plain else _detail(failed)}"
         raised = _typed(failed[ranks[0]][0], error, text)
         if isinstance(raised, CheckpointError):
-            raised.ranks, raised.phase, raised.everywhere = tuple(ranks), what, True
+            raised.ranks, raised.phase, raised.everywhere = tuple(ranks), what, self.spans_operation
         return raised

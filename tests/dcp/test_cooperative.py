@@ -13,6 +13,7 @@ from dmuon.dcp.cooperative import COOPERATIVE_ENV
 from dmuon.dcp.format import rank_of_data_file
 from dmuon.dcp.node_identity import NODE_RANK_ENV
 from dmuon.dcp.storage.registry import open_store
+from tests.helpers.collectives import count_collectives, names
 from tests.helpers.launch import run_ranks
 from tests.helpers.setup import max_abs_diff
 from tests.helpers.training import build, train
@@ -71,6 +72,52 @@ def test_hsdp_restore_fetches_each_byte_once(checkpoint_location, backend):
     assert fetched_apart >= 1.5 * total, (fetched_apart, total)  # every replica read its own copy
     # and the reading is spread: no rank fetched much more than an even share
     assert max(r["fetched"] for r in together) <= 0.6 * total
+
+
+def own_load_worker(rank, world, url, options, cooperative):
+    """``dmuon.dcp.load`` as a script calls it; the readers it made and the collectives it
+    called, counted from outside."""
+    from dmuon.dcp.reader import DMuonStorageReader
+
+    readers = []
+    read_data = DMuonStorageReader.read_data
+
+    def counted(self, plan, planner):
+        readers.append(self)
+        return read_data(self, plan, planner)
+
+    DMuonStorageReader.read_data = counted
+    model, opt = build(2, **MODEL)
+    calls: list = []
+    count_collectives(calls)
+    extra = ddcp.load(model, opt, url, storage_options=options, cooperative=cooperative)
+    return {"model": dmuon.get_model_state_dict(model), "optim": dmuon.get_optimizer_state_dict(model, opt),
+            "fetched": sum(r.bytes_fetched for r in readers), "calls": calls, "extra": extra}
+
+
+@pytest.mark.parametrize("backend", ["local", "s3"])
+def test_dmuons_own_load_shares_among_replicas_without_gathering_plans(checkpoint_location, backend):
+    """Issue 43, item 6: under HSDP the ranks of each replica group share their read requests
+    among themselves and compute the same assignment of readers; no plan reaches the
+    coordinator, and each byte is still fetched once."""
+    root, options = checkpoint_location(backend)
+    url = f"{root}/hsdp"
+    saved = run_ranks(save_worker, 4, 2, url, options)[0]
+    total = data_bytes(url, options)
+    results = run_ranks(own_load_worker, 4, url, options, True)
+    assert_same(results[0], saved)
+    for result in results:
+        assert result["extra"] == {"step": 2}
+        called = names(result["calls"])
+        assert not set(called) & {"gather_object", "scatter_object_list"}, called
+        assert called.count("all_gather_object") == 1, called  # (over the 2 replicas)
+        assert called.count("broadcast_object_list") == 1, called  # the small files (open_once)
+    fetched = sum(r["fetched"] for r in results)
+    assert fetched <= 1.1 * total, (fetched, total)
+    assert max(r["fetched"] for r in results) <= 0.6 * total, [r["fetched"] for r in results]
+    apart = run_ranks(own_load_worker, 4, url, options, False)
+    assert_same(apart[0], saved)
+    assert sum(r["fetched"] for r in apart) >= 1.5 * total
 
 
 def test_from_1d_to_hsdp_and_the_environment_switch(tmp_path):
@@ -174,9 +221,12 @@ def corrupt_load_worker(rank, world, url):
     return {"error": None}
 
 
-def test_a_corrupt_region_fails_the_load_on_every_rank(tmp_path):
+@pytest.mark.parametrize("exchange", [None, "1"])
+def test_a_corrupt_region_fails_the_load_on_every_rank(tmp_path, exchange):
     """The rank that reads a region verifies it; a mismatch there fails every rank (none waits
-    for bytes that will not come), and names the file."""
+    for bytes that will not come), and names the file. With the exchange forced
+    (``DMUON_COOPERATIVE_LOAD=1``), the replicas that wait for the region learn it first, and
+    the other replica group through the load's last round; the job's rank numbers are named."""
     url = str(tmp_path / "ckpt")
     run_ranks(save_worker, 4, 2, url, None)
     victim = max((name for name in os.listdir(url) if rank_of_data_file(name) is not None),
@@ -187,9 +237,11 @@ def test_a_corrupt_region_fails_the_load_on_every_rank(tmp_path):
         byte = f.read(1)
         f.seek(-1, os.SEEK_CUR)
         f.write(bytes([byte[0] ^ 0xFF]))
-    results = run_ranks(corrupt_load_worker, 4, url, timeout=60)
+    env = {} if exchange is None else {COOPERATIVE_ENV: exchange}
+    results = run_ranks(corrupt_load_worker, 4, url, timeout=60, env=env)
     assert all(r["error"] for r in results), results
     assert any("checksum mismatch" in r["error"] and victim in r["error"] for r in results)
+    assert all(r["error"].startswith("CheckpointCorruptError") for r in results), results
 
 
 def test_cooperation_needs_a_shared_region(tmp_path):

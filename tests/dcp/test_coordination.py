@@ -8,7 +8,6 @@ reader.
 """
 
 import os
-import pickle
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -17,39 +16,11 @@ import dmuon
 import dmuon.dcp as ddcp
 from dmuon.dcp.checkpoint import open_checkpoint
 from dmuon.dcp.format.layout import METADATA
+from tests.helpers.collectives import count_collectives as _count_collectives
+from tests.helpers.collectives import names as _names
 from tests.helpers.launch import run_ranks
 from tests.helpers.setup import max_abs_diff
 from tests.helpers.training import build, train
-
-OBJECT_COLLECTIVES = ("gather_object", "scatter_object_list", "all_gather_object", "broadcast_object_list")
-TENSOR_COLLECTIVES = ("all_reduce", "gather", "scatter", "all_gather", "all_gather_into_tensor", "broadcast")
-
-
-def _count_collectives(log: list) -> None:
-    """Wrap this process's collectives: each call appends (name, pickled bytes put in)."""
-    import torch.distributed as dist
-
-    def wrap(name, original):
-        def call(*args, **kwargs):
-            size = 0
-            if name in ("gather_object", "all_gather_object"):
-                size = len(
-                    pickle.dumps(kwargs["obj"] if "obj" in kwargs else args[1 if name == "all_gather_object" else 0])
-                )
-            elif name in ("scatter_object_list", "broadcast_object_list"):
-                key = "scatter_object_input_list" if name == "scatter_object_list" else "object_list"
-                objects = kwargs.get(
-                    key, args[1] if name == "scatter_object_list" and len(args) > 1 else (args[0] if args else None)
-                )
-                size = len(pickle.dumps(objects)) if objects and any(o is not None for o in objects) else 0
-            log.append((name, size))
-            return original(*args, **kwargs)
-
-        return call
-
-    for name in OBJECT_COLLECTIVES + TENSOR_COLLECTIVES:
-        setattr(dist, name, wrap(name, getattr(dist, name)))
-
 
 def counted_worker(rank, world, root):
     log: list = []
@@ -83,10 +54,6 @@ def counted_worker(rank, world, root):
         "grown_extra": grown_extra,
         "hits": checkpointer.plan_cache.global_hits,
     }
-
-
-def _names(calls):
-    return [name for name, _ in calls]
 
 
 def test_a_steady_save_and_a_load_gather_nothing_and_stay_readable_by_torch(tmp_path):
