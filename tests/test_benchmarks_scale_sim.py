@@ -95,7 +95,8 @@ def test_dmuon_rounds(rows):
         # the listing; planning; the assignment; the cooperative reads agreed; the outcome
         assert load["calls"] == ["broadcast", "all_reduce", "gather", "scatter", "all_reduce", "all_reduce"]
         assert alone["calls"] == ["broadcast", "all_reduce", "all_reduce"]  # the listing, two agreements
-        assert alone["rank0_in"] == 2 * 8 * (5 + 1)
+        # planning: did a rank fail, three flags, two numbers both ways (machine, replica layout)
+        assert alone["rank0_in"] == 2 * 8 * (1 + 3 + 2 * 2 + 1)
         read = load["small_files"]
         assert read[".metadata"] == first["small_files"][".metadata"]  # read once, by rank 0
     # the steady save's bytes do not grow with the world
