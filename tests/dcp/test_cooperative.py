@@ -74,10 +74,13 @@ def test_hsdp_restore_fetches_each_byte_once(checkpoint_location, backend):
     assert max(r["fetched"] for r in together) <= 0.6 * total
 
 
-def own_load_worker(rank, world, url, options, cooperative):
+def own_load_worker(rank, world, url, options, cooperative, machines=None):
     """``dmuon.dcp.load`` as a script calls it; the readers it made and the collectives it
-    called, counted from outside."""
+    called, counted from outside. ``machines``: as in :func:`load_worker`."""
     from dmuon.dcp.reader import DMuonStorageReader
+
+    if machines is not None:
+        os.environ[NODE_RANK_ENV] = str(machines[rank])
 
     readers = []
     read_data = DMuonStorageReader.read_data
@@ -118,6 +121,13 @@ def test_dmuons_own_load_shares_among_replicas_without_gathering_plans(checkpoin
     apart = run_ranks(own_load_worker, 4, url, options, False)
     assert_same(apart[0], saved)
     assert sum(r["fetched"] for r in apart) >= 1.5 * total
+    if backend == "local":  # the default there: replicas share only across machines
+        across = run_ranks(own_load_worker, 4, url, options, None, (0, 0, 1, 1))
+        assert_same(across[0], saved)
+        assert sum(r["fetched"] for r in across) <= 1.1 * total  # (replicas 0, 2 and 1, 3: two machines)
+        one = run_ranks(own_load_worker, 4, url, options, None, (0, 0, 0, 0))
+        assert_same(one[0], saved)
+        assert sum(r["fetched"] for r in one) >= 1.5 * total  # one page cache: each reads for itself
 
 
 def test_from_1d_to_hsdp_and_the_environment_switch(tmp_path):
