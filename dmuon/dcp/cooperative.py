@@ -40,8 +40,10 @@ machines notwithstanding; unset is the behaviour above.
 
 from __future__ import annotations
 
+import math
 import os
 import zlib
+from array import array
 from collections import defaultdict
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
@@ -49,6 +51,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
 from torch.distributed.tensor import DTensor, Replicate
 
@@ -69,6 +72,7 @@ __all__ = [
     "replica_layout",
     "share_among_replicas",
     "share_of",
+    "stored_dtypes",
 ]
 
 COOPERATIVE_ENV = "DMUON_COOPERATIVE_LOAD"
@@ -160,16 +164,10 @@ def replica_layout(state: dict[str, Any]) -> ReplicaLayout | int:
     return ReplicaLayout(mesh, dims[0]) if len(dims) == 1 else IRREGULAR
 
 
-def share_among_replicas(
-    plan: LoadPlan,
-    layout: ReplicaLayout,
-    dtypes: dict[str, torch.dtype],
-    locations: dict[Any, Any],
-    node: int | None,
-) -> LoadPlan:
+def share_among_replicas(plan: LoadPlan, layout: ReplicaLayout, metadata: Metadata, node: int | None) -> LoadPlan:
     """Collective over ``layout``'s replica group: ``plan`` with this rank's share of the
     regions several of the group's ranks read. The replicas share the regions their plans
-    name (one all-gather of a few numbers and a key per item, over the replicas only: its
+    name (one all-gather over the replicas only, of a few compressed integers per item: its
     bytes grow with the model, not with the job) and each computes the same assignment
     (:func:`assign_readers`' rule) from them; what they do not all hold (the state of a
     weight one replica updates) stays with the rank that holds it. ``node``: this rank's
@@ -177,13 +175,57 @@ def share_among_replicas(
     between every pair."""
     group = layout.mesh.get_group(layout.dim)
     replicas = GroupTransport(group, spans_operation=False)
-    everyone = replicas.share((_requests(plan, dtypes, locations), node))
+    keys = list(metadata.state_dict_metadata)
+    everyone = replicas.share((_packed(plan, keys), node))
+    dtypes, locations = stored_dtypes(metadata), metadata.storage_data
+    requests = [_unpacked(packed, keys, dtypes, locations) for packed, _ in everyone]
     machines = range(replicas.world) if node is None else [machine for _, machine in everyone]
-    shares = _assign([requests for requests, _ in everyone], machines)
+    shares = _assign(requests, machines)
     if shares is None:
         return plan
     shares[replicas.rank].group = group
     return _with_share(plan, shares[replicas.rank])
+
+
+def stored_dtypes(metadata: Metadata) -> dict[str, torch.dtype]:
+    """Each stored tensor's dtype, by key (what a region's size is counted in)."""
+    entries = metadata.state_dict_metadata
+    return {fqn: md.properties.dtype for fqn, md in entries.items() if isinstance(md, TensorStorageMetadata)}
+
+
+def _packed(plan: LoadPlan, keys: list[str]) -> bytes:
+    """A plan's tensor reads as the replicas send them: per item its key's number in the
+    metadata, its rank of dimensions, the stored chunk's offsets, the region's offsets and
+    lengths in it, and its position in the plan; compressed (consecutive items differ little)."""
+    number = {fqn: n for n, fqn in enumerate(keys)}
+    values = array("q")
+    for position, item in enumerate(plan.items):
+        if item.type == LoadItemType.BYTE_IO:
+            continue
+        index = item.storage_index
+        chunk = tuple(index.offset or ())
+        values.extend((number[index.fqn], len(chunk), *chunk, *item.storage_offsets, *item.lengths, position))
+    return zlib.compress(values.tobytes(), 1)
+
+
+def _unpacked(packed: bytes, keys: list[str], dtypes: dict[str, torch.dtype], locations: Any) -> list[_Request]:
+    """:func:`_packed`'s items as the assignment takes them, their files and offsets and
+    sizes from the metadata every rank has."""
+    values = array("q")
+    values.frombytes(zlib.decompress(packed))
+    out: list[_Request] = []
+    at = 0
+    while at < len(values):
+        fqn, ndim = keys[values[at]], values[at + 1]
+        chunk = tuple(values[at + 2 : at + 2 + ndim])
+        starts = tuple(values[at + 2 + ndim : at + 2 + 2 * ndim])
+        lengths = tuple(values[at + 2 + 2 * ndim : at + 2 + 3 * ndim])
+        position = values[at + 2 + 3 * ndim]
+        at += 3 + 3 * ndim
+        where = locations[MetadataIndex(fqn, torch.Size(chunk))]
+        nbytes = math.prod(lengths) * (dtypes[fqn].itemsize if fqn in dtypes else 1)
+        out.append(((fqn, chunk, starts, lengths), nbytes, where.relative_path, where.offset, position))
+    return out
 
 
 def _region(item: ReadItem) -> tuple:

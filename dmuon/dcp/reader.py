@@ -33,6 +33,7 @@ from .cooperative import (
     read_shared,
     share_among_replicas,
     share_of,
+    stored_dtypes,
 )
 from .errors import CheckpointCorruptError
 from .format.manifest import ItemChecksums
@@ -142,7 +143,7 @@ class DMuonStorageReader(StorageReader):
         if cooperative_setting(self.cooperative) is False:
             return plan
         node = node_number() if self._exchange_across_nodes_only() else None
-        return share_among_replicas(plan, layout, self._stored_dtypes(), self._listing().metadata.storage_data, node)
+        return share_among_replicas(plan, layout, self._listing().metadata, node)
 
     def wants_global_plan(self) -> bool | None:
         """Does a load need every rank's plan on the coordinator (a cooperative assignment of
@@ -158,8 +159,7 @@ class DMuonStorageReader(StorageReader):
         return cooperative_setting(self.cooperative) is None and not is_remote(self._listing().store.url)
 
     def _stored_dtypes(self) -> dict[str, torch.dtype]:
-        metadata = self._listing().metadata.state_dict_metadata
-        return {fqn: md.properties.dtype for fqn, md in metadata.items() if isinstance(md, TensorStorageMetadata)}
+        return stored_dtypes(self._listing().metadata)
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         # no autograd here: a DTensor's to_local() (what the planner resolves a shard with)
