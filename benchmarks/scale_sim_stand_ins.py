@@ -106,13 +106,15 @@ class DmuonWriter(DMuonStorageWriter):
 class DmuonReader(DMuonStorageReader):
     """dmuon's reader, reading nothing. Where the plan gives this rank a part in a cooperative
     load, the one round that adds before its point-to-point exchange (every rank's reads agreed:
-    ``cooperative.read_shared``) is made over the load's transport; the exchange moves tensor
+    ``cooperative.read_shared``) is made over the load's transport, or its replica group's; the exchange moves tensor
     bytes between pairs of ranks, not coordination, and is not simulated."""
 
     def read_data(self, plan: LoadPlan, planner: Any) -> Future:
-        if share_of(plan) is not None:
-            assert self.transport is not None
-            self.transport.settle(None, "reading (cooperative load: nothing was exchanged)")
+        share = share_of(plan)
+        if share is not None:
+            transport = share.replicas or self.transport  # (a replica group's, as the real reader)
+            assert transport is not None
+            transport.settle(None, "reading (cooperative load: nothing was exchanged)")
         return _done(None)
 
 

@@ -147,10 +147,21 @@ class ShardStub(torch.Tensor):
 
 
 class StubMesh:
-    """A 2-D device mesh as a DTensor's planner sees it: this rank's coordinate and the sizes."""
+    """A 2-D device mesh as a DTensor's planner sees it (this rank's coordinate and the sizes),
+    and as a load finds its replicas (``cooperative.replica_layout``: its dimensions, names and
+    equality; the simulated transport reaches the ranks along the first)."""
+
+    mesh_dim_names = ("replicate", "shard")
+    ndim = 2
 
     def __init__(self, coordinate: tuple[int, int], sizes: tuple[int, int]) -> None:
         self.coordinate, self.sizes = list(coordinate), sizes
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, StubMesh) and (other.coordinate, other.sizes) == (self.coordinate, self.sizes)
+
+    def __hash__(self) -> int:
+        return hash((tuple(self.coordinate), self.sizes))
 
     def get_coordinate(self) -> list[int]:
         return self.coordinate
@@ -249,6 +260,8 @@ class Call:
 
     kind: str
     sizes: list[int]
+    #: an all-gather within groups of ranks (a load's replica groups): each group's ranks
+    groups: list[tuple[int, ...]] | None = None
 
 
 def tally(calls: Sequence[Call], world: int) -> dict[str, float]:
@@ -295,6 +308,14 @@ def tally(calls: Sequence[Call], world: int) -> dict[str, float]:
                     received[rank] += sizes[0]
                     win[rank] += sizes[0] + SIZE_BYTES
                 wout[rank] += sizes[0] + SIZE_BYTES if world > 1 else 0
+        elif call.kind == "all_gather" and call.groups is not None:
+            for group in call.groups:
+                total, top = sum(sizes[rank] for rank in group), max(sizes[rank] for rank in group)
+                for rank in group:
+                    sent[rank] += sizes[rank] * (len(group) - 1)
+                    received[rank] += total - sizes[rank]
+                    win[rank] += (top + SIZE_BYTES) * (len(group) - 1)
+                    wout[rank] += (top + SIZE_BYTES) * (len(group) - 1)
         elif call.kind == "all_gather":
             total, top = sum(sizes), max(sizes)
             for rank in range(world):

@@ -51,6 +51,7 @@ class _Request:
     kind: str  # all_reduce, gather, scatter, all_gather, broadcast, barrier
     payload: Any = None
     src: int = 0
+    group: tuple[int, ...] | None = None  # the ranks of a replica group (all_reduce, all_gather)
 
 
 @dataclass
@@ -124,6 +125,9 @@ class SimulatedWorld:
         if len(kinds) != 1:
             raise SimulatorGap(f"the ranks are in different collectives: {sorted(kinds)}")
         kind = kinds.pop()
+        groups = {request.group for request in requests if request is not None}
+        if groups != {None}:
+            return self._combine_in_groups(kind, requests)
         offered = [request.payload for request in requests if request is not None]
         if kind == "all_reduce":
             self.calls.append(Call("all_reduce", [8 * len(offered[0])]))
@@ -149,6 +153,41 @@ class SimulatedWorld:
             copy = self._unpickled_by_all(blob, but=src)
             return [offered[src] if rank == src else copy for rank in range(self.world)]
         raise SimulatorGap(f"no such collective: {kind}")
+
+    def _combine_in_groups(self, kind: str, requests: list[_Request | None]) -> list[Any]:
+        """A collective every rank runs within its own group (a cooperative load's replicas):
+        the groups must cover the world, each rank in one."""
+        groups = sorted({request.group for request in requests if request is not None and request.group is not None})
+        if None in {request.group for request in requests if request is not None} or sorted(
+            rank for group in groups for rank in group
+        ) != list(range(self.world)):
+            raise SimulatorGap(f"a {kind} in groups that do not split the world: {groups[:4]}...")
+        answers: list[Any] = [None] * self.world
+        if kind == "all_reduce":
+            self.calls.append(Call("all_reduce", [8 * len(requests[0].payload)]))  # type: ignore[union-attr]
+            for group in groups:
+                top = [max(values) for values in zip(*(requests[rank].payload for rank in group), strict=True)]  # type: ignore[union-attr]
+                for rank in group:
+                    answers[rank] = list(top)
+            return answers
+        if kind == "all_gather":
+            blobs = [self._pickled(rank, request.payload) for rank, request in enumerate(requests)]  # type: ignore[union-attr]
+            self.calls.append(Call("all_gather", [len(blob) for blob in blobs], groups=list(groups)))
+            for group in groups:
+                shared = [self._unpickled_by(blobs[rank], group) for rank in group]
+                for rank in group:
+                    answers[rank] = shared
+            return answers
+        raise SimulatorGap(f"no {kind} within groups is modelled")
+
+    def _unpickled_by(self, blob: bytes, ranks: tuple[int, ...]) -> Any:
+        """One copy for ``ranks``, each charged its unpickling."""
+        began = time.process_time()
+        obj = pickle.loads(blob)
+        spent = time.process_time() - began
+        for rank in ranks:
+            self._cpu[rank] += spent
+        return obj
 
     def _pickled(self, rank: int, obj: Any) -> bytes:
         began = time.process_time()
@@ -272,3 +311,31 @@ class SimulatedTransport(Transport):
 
     def barrier(self) -> None:
         self.sim.ask(_Request("barrier"))
+
+    def replicas(self, layout: Any) -> Transport:
+        """The ranks along the replicate dimension of the stand-ins' mesh (``StubMesh``:
+        global rank = replica x shards + shard)."""
+        if layout.dim != 0:
+            raise SimulatorGap(f"replicas along mesh dimension {layout.dim}: only the first is modelled")
+        replica, shard = layout.mesh.get_coordinate()
+        replicas, shards = layout.mesh.size(0), layout.mesh.size(1)
+        return SimulatedReplicas(self.sim, tuple(r * shards + shard for r in range(replicas)), replica)
+
+
+class SimulatedReplicas(Transport):
+    """One synthetic rank's transport over its replica group (``Transport.replicas``)."""
+
+    spans_operation = False
+
+    def __init__(self, world: SimulatedWorld, members: tuple[int, ...], rank: int) -> None:
+        super().__init__()
+        self.sim, self.members, self.rank, self.world = world, members, rank, len(members)
+
+    def _job_rank(self, rank: int) -> int:
+        return self.members[rank]
+
+    def _max(self, values: list[float], floating: bool) -> list[float]:
+        return self.sim.ask(_Request("all_reduce", list(values), group=self.members))
+
+    def _all_gather(self, obj: Any) -> list[Any]:
+        return self.sim.ask(_Request("all_gather", obj, group=self.members))

@@ -71,7 +71,9 @@ def test_protocol_and_counts(rows):
             assert first["rank0_in"] > 0 and first["other_in_max"] > 0 and first["rank0_cpu"] >= 0
             assert steady["rank0_in"] <= first["rank0_in"]
             load = _row(rows, method, "load", mesh=mesh)
-            assert "gather" in load["calls"] and load["small_files"] and load["rank_cpu_max"] > 0
+            assert load["small_files"] and load["rank_cpu_max"] > 0
+            if method != "dmuon":  # torch's dcp.load: plans gathered on the coordinator
+                assert "gather" in load["calls"]
             if method != "dmuon":  # torch's dcp.save: plans gathered and scattered at every save
                 assert first["calls"] == steady["calls"] == ["gather", "scatter", "gather", "broadcast"]
     # the caches make a steady save gather less: torch's
@@ -92,8 +94,14 @@ def test_dmuon_rounds(rows):
         assert steady["rank0_in"] == steady["other_out_max"] == steady["rank0_out"] == 2 * 8 * (5 + 2 + 1)
         assert steady["small_files"][".metadata"] == first["small_files"][".metadata"]  # the cached metadata
         load, alone = _row(rows, "dmuon", "load", mesh=mesh), _row(rows, "dmuon", "load alone", mesh=mesh)
-        # the listing; planning; the assignment; the cooperative reads agreed; the outcome
-        assert load["calls"] == ["broadcast", "all_reduce", "gather", "scatter", "all_reduce", "all_reduce"]
+        # the listing; planning; the outcome. Under HSDP (2 replicas of 8 at 16 ranks), between
+        # them: the replicas' reads shared within each pair (no plan to the coordinator), and
+        # the cooperative reads agreed within each pair
+        if mesh == "hsdp":
+            assert load["calls"] == ["broadcast", "all_reduce", "all_gather", "all_reduce", "all_reduce"]
+            assert load["rank0_in"] <= load["other_in_max"]  # rank 0 is one replica among others
+        else:  # FSDP2 1-D: no two ranks hold the same region, nothing to share
+            assert load["calls"] == ["broadcast", "all_reduce", "all_reduce"]
         assert alone["calls"] == ["broadcast", "all_reduce", "all_reduce"]  # the listing, two agreements
         # planning: did a rank fail, three flags, two numbers both ways (machine, replica layout)
         assert alone["rank0_in"] == 2 * 8 * (1 + 3 + 2 * 2 + 1)

@@ -53,11 +53,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import Replicate
 
 from .errors import CheckpointError
 from .group_transport import GroupTransport, exchange_device
-from .transport import Attempt
+from .transport import Attempt, Transport
 
 __all__ = [
     "COOPERATIVE_ENV",
@@ -111,9 +111,9 @@ class RankShare:
 
     sends: dict[int, Transfer] = field(default_factory=dict)  # index in the rank's plan -> transfer
     receives: dict[int, Transfer] = field(default_factory=dict)
-    #: the process group the transfers' ranks are numbered in and travel over (a replica group,
-    #: :func:`share_among_replicas`); None: the load's own group (the coordinator's assignment)
-    group: Any = None
+    #: the transport of the replica group the transfers' ranks are numbered in and travel over
+    #: (:func:`share_among_replicas`); None: the load's own (the coordinator's assignment)
+    replicas: Transport | None = None
 
 
 @dataclass(frozen=True)
@@ -124,14 +124,14 @@ class ReplicaLayout:
     is found among them (:func:`share_among_replicas`), a few ranks however large the job,
     instead of on a coordinator that gathers every rank's plan."""
 
-    mesh: Any  # torch's DeviceMesh
+    mesh: Any  # torch's DeviceMesh (or what stands for one: the scale simulator's)
     dim: int
 
     @property
     def signature(self) -> int:
         """The same number on every rank of a job that found the same layout (positive)."""
-        names = self.mesh.mesh_dim_names or ()
-        text = repr((tuple(self.mesh.mesh.shape), tuple(names), self.dim))
+        sizes = tuple(self.mesh.size(dim) for dim in range(self.mesh.ndim))
+        text = repr((sizes, tuple(self.mesh.mesh_dim_names or ()), self.dim))
         return zlib.crc32(text.encode()) + 1
 
 
@@ -143,18 +143,21 @@ IRREGULAR = -1
 
 def replica_layout(state: dict[str, Any]) -> ReplicaLayout | int:
     """The layout of this rank's (flattened) load destinations: a :class:`ReplicaLayout`,
-    :data:`NO_REPLICAS` or :data:`IRREGULAR`."""
+    :data:`NO_REPLICAS` or :data:`IRREGULAR`. A distributed tensor is what has a device mesh
+    and placements (a DTensor; in the scale simulator, its stand-in)."""
     mesh = None
     replicated: list[bool] | None = None
     for value in state.values():
-        if not isinstance(value, DTensor):
+        placements = getattr(value, "placements", None)
+        value_mesh = getattr(value, "device_mesh", None)
+        if placements is None or value_mesh is None:
             continue
         if mesh is None:
-            mesh, replicated = value.device_mesh, [True] * value.device_mesh.ndim
-        elif value.device_mesh != mesh:
+            mesh, replicated = value_mesh, [True] * value_mesh.ndim
+        elif value_mesh != mesh:
             return IRREGULAR
         assert replicated is not None
-        for dim, placement in enumerate(value.placements):
+        for dim, placement in enumerate(placements):
             replicated[dim] = replicated[dim] and isinstance(placement, Replicate)
     if mesh is None or replicated is None:
         return IRREGULAR
@@ -164,7 +167,9 @@ def replica_layout(state: dict[str, Any]) -> ReplicaLayout | int:
     return ReplicaLayout(mesh, dims[0]) if len(dims) == 1 else IRREGULAR
 
 
-def share_among_replicas(plan: LoadPlan, layout: ReplicaLayout, metadata: Metadata, node: int | None) -> LoadPlan:
+def share_among_replicas(
+    plan: LoadPlan, layout: ReplicaLayout, metadata: Metadata, node: int | None, transport: Transport
+) -> LoadPlan:
     """Collective over ``layout``'s replica group: ``plan`` with this rank's share of the
     regions several of the group's ranks read. The replicas share the regions their plans
     name (one all-gather over the replicas only, of a few compressed integers per item: its
@@ -172,9 +177,8 @@ def share_among_replicas(plan: LoadPlan, layout: ReplicaLayout, metadata: Metada
     (:func:`assign_readers`' rule) from them; what they do not all hold (the state of a
     weight one replica updates) stays with the rank that holds it. ``node``: this rank's
     machine, where ranks of one machine each read for themselves (a local path); None: share
-    between every pair."""
-    group = layout.mesh.get_group(layout.dim)
-    replicas = GroupTransport(group, spans_operation=False)
+    between every pair. ``transport``: the load's (which knows how to reach the replicas)."""
+    replicas = transport.replicas(layout)
     keys = list(metadata.state_dict_metadata)
     everyone = replicas.share((_packed(plan, keys), node))
     dtypes, locations = stored_dtypes(metadata), metadata.storage_data
@@ -183,7 +187,7 @@ def share_among_replicas(plan: LoadPlan, layout: ReplicaLayout, metadata: Metada
     shares = _assign(requests, machines)
     if shares is None:
         return plan
-    shares[replicas.rank].group = group
+    shares[replicas.rank].replicas = replicas
     return _with_share(plan, shares[replicas.rank])
 
 

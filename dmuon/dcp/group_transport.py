@@ -54,6 +54,9 @@ class GroupTransport(Transport):
             return rank
         return dist.get_global_rank(self.group, rank)
 
+    def replicas(self, layout: Any) -> Transport:
+        return GroupTransport(layout.mesh.get_group(layout.dim), spans_operation=False)
+
     @contextlib.contextmanager
     def _watching(self) -> Iterator[None]:
         self._roll_call = RollCall(self.group)

@@ -143,7 +143,8 @@ class DMuonStorageReader(StorageReader):
         if cooperative_setting(self.cooperative) is False:
             return plan
         node = node_number() if self._exchange_across_nodes_only() else None
-        return share_among_replicas(plan, layout, self._listing().metadata, node)
+        transport = self.transport if self.transport is not None else GroupTransport(self.process_group)
+        return share_among_replicas(plan, layout, self._listing().metadata, node, transport)
 
     def wants_global_plan(self) -> bool | None:
         """Does a load need every rank's plan on the coordinator (a cooperative assignment of
@@ -171,10 +172,8 @@ class DMuonStorageReader(StorageReader):
             if share is None:
                 self._read_items(plan.items, planner)
             else:
-                transport = self.transport
-                if share.group is not None:  # (a replica group: share_among_replicas)
-                    transport = GroupTransport(share.group, spans_operation=False)
-                elif not isinstance(transport, GroupTransport):
+                transport = share.replicas or self.transport  # (a replica group's: share_among_replicas)
+                if not isinstance(transport, GroupTransport):
                     transport = GroupTransport(self.process_group)
                 read_shared(plan, share, planner, self._read_items, self._stored_dtypes(), transport)
         if self.phases is not None:

@@ -284,6 +284,12 @@ class Transport:
             return value
         raise self._error({on: value}, what, error, plain=True) from failure
 
+    def replicas(self, layout: Any) -> Transport:
+        """A transport over this rank's replica group: the ranks along ``layout.dim`` of
+        ``layout.mesh`` (a cooperative load's ``ReplicaLayout``), whose errors the operation's
+        next round still carries to the other ranks (``spans_operation`` False)."""
+        raise NotImplementedError
+
     def share(self, obj: Any) -> list[Any]:
         """Collective: every rank's ``obj``, in rank order, on every rank."""
         return self._all_gather(obj)
