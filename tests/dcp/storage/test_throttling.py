@@ -117,7 +117,7 @@ def save_and_load_throttled(server, kind, world, rate):
 @pytest.mark.parametrize("backend", ["s3", "gcs"])
 def test_eight_ranks_save_and_load_bit_exact_through_throttling(request, backend):
     server = request.getfixturevalue(f"{backend}_server")
-    ranks, proxy, url = save_and_load_throttled(server, KIND[backend], world=8, rate=5.0)
+    _, proxy, url = save_and_load_throttled(server, KIND[backend], world=8, rate=5.0)
     # Every rank's data file starts at once under the checkpoint's prefix, several times what
     # 5/s allows: refused, retried with backoff, written.
     assert proxy.total_refused() > 0, dict(proxy.forwarded)
