@@ -5,9 +5,13 @@
 # summary. DMUON_REQUIRE_ALL_STORES=1 (set by .ci/run) makes a missing store an error instead.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh test
+# Ceph's packages (apt) install while setup.sh installs the Python ones (pip): both mostly wait
+# on downloads and the disk, and one after the other they added up their times.
+bash scripts/install-ceph.sh &
+ceph=$!
+bash scripts/setup.sh test || { code=$?; wait "$ceph" || true; exit "$code"; }
 status=0
-bash scripts/install-ceph.sh || status=$?
+wait "$ceph" || status=$?
 if [ "$status" = 3 ] && [ "${DMUON_REQUIRE_ALL_STORES:-0}" != 1 ]; then
     echo "Ceph RGW is not installed (apt-get needs root): its S3 cases are skipped. Run as root, or with passwordless sudo, to include them."
 elif [ "$status" != 0 ]; then

@@ -36,19 +36,23 @@ class FaultProxy(LoopbackProxy):
         self.counts: Counter = Counter()
         super().__init__(upstream_port)
 
-    def _pick(self) -> str | None:
+    def _pick(self) -> tuple[str | None, float]:
+        """The fault for the next request, and its delay: drawn together, in the order the
+        requests arrive, so that a seed gives the same faults in the same order every run
+        (a delay drawn later, while other requests draw theirs, shifted every draw after it)."""
         if self.down:
-            return "down"
+            return "down", 0.0
         if self.random.random() < self.rate:
-            return self.random.choice(self.faults)
-        return None
+            fault = self.random.choice(self.faults)
+            return fault, self.random.uniform(0.1, self.max_delay) if fault == "delay" else 0.0
+        return None, 0.0
 
     async def _one_request(self, reader, writer) -> None:
         head = await read_head(reader)
         headers = headers_of(head)
         if self.down_from_first_write and head.split(b" ", 1)[0] in (b"PUT", b"POST"):
             self.down = True
-        fault = self._pick()
+        fault, delay = self._pick()
         self.counts["requests"] += 1
         if fault:
             self.counts[fault] += 1
@@ -66,7 +70,7 @@ class FaultProxy(LoopbackProxy):
             await writer.drain()
             return
         if fault == "delay":
-            await asyncio.sleep(self.random.uniform(0.1, self.max_delay))
+            await asyncio.sleep(delay)
         response_head, _, response_body = await self.forward(head, body)
         if fault == "truncated_body" and len(response_body) > 1:
             writer.write(with_connection_close(response_head) + response_body[: len(response_body) // 2])

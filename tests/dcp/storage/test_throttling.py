@@ -2,8 +2,8 @@
 SeaweedFS (S3) and fake-gcs-server (GCS) allows a few requests a second per key prefix and
 answers the rest as the real services do (S3 ``503 SlowDown``, GCS ``429 rateLimitExceeded``).
 
-Through it: every case of the store conformance suite; 4- and 8-rank saves and loads at a rate
-well below what they ask for, bit-exact, refusals counted; and with the rate at zero, a save
+Through it: every case of the store conformance suite; 8-rank saves and loads at a rate well
+below what they ask for, bit-exact, refusals counted; and with the rate at zero, a save
 that fails when its deadline (``retry_deadline_s``) passes, naming the URL and the server's
 answer, with the checkpoint before it intact.
 """
@@ -46,11 +46,14 @@ def through(server, proxy, **extra) -> dict:
 @pytest.fixture
 def store(throttled_server):
     _, server, proxy = throttled_server
-    store = open_store(server.url(), through(server, proxy))
+    url = server.url()
+    store = open_store(url, through(server, proxy))
     store.makedirs()
     yield store
+    # Cleaned up straight at the server: the clean-up is no case of the suite (removing through
+    # the proxy is one), and through it every case waited out refusals of its deletions too.
     with contextlib.suppress(OSError):
-        store.remove_tree()
+        open_store(url, server.storage_options).remove_tree()
 
 
 for _name, _case in vars(conformance).items():
@@ -108,23 +111,18 @@ def save_and_load_throttled(server, kind, world, rate):
     return ranks, proxy, url
 
 
+# (8 ranks only: a 4-rank case beside it went through the same refusals and retries, at half
+# the demand on the prefix, for another minute and more of CI; its assertions are these.)
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["s3", "gcs"])
-def test_four_ranks_save_and_load_bit_exact_through_throttling(request, backend):
+def test_eight_ranks_save_and_load_bit_exact_through_throttling(request, backend):
     server = request.getfixturevalue(f"{backend}_server")
-    ranks, proxy, url = save_and_load_throttled(server, KIND[backend], world=4, rate=5.0)
+    _, proxy, url = save_and_load_throttled(server, KIND[backend], world=8, rate=5.0)
     # Every rank's data file starts at once under the checkpoint's prefix, several times what
     # 5/s allows: refused, retried with backoff, written.
     assert proxy.total_refused() > 0, dict(proxy.forwarded)
     assert max(proxy.refused, key=proxy.refused.get) == url.split("://", 1)[1], dict(proxy.refused)
     assert not proxy.unknown_targets, proxy.unknown_targets
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("backend", ["s3", "gcs"])
-def test_eight_ranks_save_and_load_bit_exact_through_throttling(request, backend):
-    server = request.getfixturevalue(f"{backend}_server")
-    ranks, proxy, _ = save_and_load_throttled(server, KIND[backend], world=8, rate=5.0)
-    assert proxy.total_refused() > 0, dict(proxy.forwarded)
 
 
 # -- a deadline ------------------------------------------------------------------------------
