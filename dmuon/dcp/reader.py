@@ -30,11 +30,11 @@ from .cooperative import (
     ReplicaLayout,
     assign_readers,
     cooperative_setting,
-    read_shared,
     share_among_replicas,
     share_of,
     stored_dtypes,
 )
+from .cooperative_exchange import read_shared
 from .errors import CheckpointCorruptError
 from .format.manifest import ItemChecksums
 from .format.tensor_bytes import tensor_memory
