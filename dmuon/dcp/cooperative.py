@@ -147,7 +147,7 @@ def replica_layout(state: dict[str, Any]) -> ReplicaLayout | int:
             continue
         if mesh is None:
             mesh, replicated = value_mesh, [True] * value_mesh.ndim
-        elif value_mesh != mesh:
+        elif value_mesh is not mesh and value_mesh != mesh:
             return IRREGULAR
         assert replicated is not None
         for dim, placement in enumerate(placements):
