@@ -11,8 +11,8 @@ and the others receive them. Ranks then read what they were given -- verifying e
 against its checksum, as always -- and exchange the shared regions point to point.
 
 Who finds the shared regions: under HSDP, the ranks of each replica group among themselves
-(:func:`share_among_replicas`: an all-gather of their requests over the R replicas, and the
-same assignment computed on each), so no plan travels to a coordinator and what a rank
+(``replica_reads.py``: all-reduces over the group whose width the checkpoint sets, and the same
+assignment computed on each member), so no plan travels anywhere and what a rank sends and
 receives does not grow with the job (dmuon's own load, ``load_protocol.run_load``). Under
 torch's ``dcp.load``, or where the tensors lie on several meshes, the coordinator, which sees
 every rank's plan (:func:`assign_readers`).
@@ -37,35 +37,29 @@ machines notwithstanding; unset is the behaviour above.
 
 from __future__ import annotations
 
-import math
 import os
-import zlib
-from array import array
 from collections import defaultdict
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
-from torch.distributed.tensor import Replicate
 
 from .transport import Transport
 
 __all__ = [
     "COOPERATIVE_ENV",
-    "IRREGULAR",
-    "NO_REPLICAS",
     "RankShare",
-    "ReplicaLayout",
+    "ReadRequest",
     "Transfer",
     "assign_readers",
     "cooperative_setting",
-    "replica_layout",
-    "share_among_replicas",
+    "read_requests",
     "share_of",
     "stored_dtypes",
+    "with_share",
 ]
 
 COOPERATIVE_ENV = "DMUON_COOPERATIVE_LOAD"
@@ -105,124 +99,14 @@ class RankShare:
     sends: dict[int, Transfer] = field(default_factory=dict)  # index in the rank's plan -> transfer
     receives: dict[int, Transfer] = field(default_factory=dict)
     #: the transport of the replica group the transfers' ranks are numbered in and travel over
-    #: (:func:`share_among_replicas`); None: the load's own (the coordinator's assignment)
+    #: (``replica_reads.share_among_replicas``); None: the load's own (the coordinator's)
     replicas: Transport | None = None
-
-
-@dataclass(frozen=True)
-class ReplicaLayout:
-    """Where a rank's identical copies are: the one dimension of the one device mesh along
-    which every distributed tensor it loads is replicated (HSDP's replicate dimension). The
-    ranks along it hold the same shards and the same dedicated weights: what they read alike
-    is found among them (:func:`share_among_replicas`), a few ranks however large the job,
-    instead of on a coordinator that gathers every rank's plan."""
-
-    mesh: Any  # torch's DeviceMesh (or what stands for one: the scale simulator's)
-    dim: int
-
-    @property
-    def signature(self) -> int:
-        """The same number on every rank of a job that found the same layout (positive)."""
-        sizes = tuple(self.mesh.size(dim) for dim in range(self.mesh.ndim))
-        text = repr((sizes, tuple(self.mesh.mesh_dim_names or ()), self.dim))
-        return zlib.crc32(text.encode()) + 1
-
-
-#: what :func:`replica_layout` says when no two ranks hold the same tensors (an FSDP2 1-D mesh)
-NO_REPLICAS = 0
-#: ... and when the tensors are on several meshes, or none: only the coordinator can tell
-IRREGULAR = -1
-
-
-def replica_layout(state: dict[str, Any]) -> ReplicaLayout | int:
-    """The layout of this rank's (flattened) load destinations: a :class:`ReplicaLayout`,
-    :data:`NO_REPLICAS` or :data:`IRREGULAR`. A distributed tensor is what has a device mesh
-    and placements (a DTensor; in the scale simulator, its stand-in)."""
-    mesh = None
-    replicated: list[bool] | None = None
-    for value in state.values():
-        placements = getattr(value, "placements", None)
-        value_mesh = getattr(value, "device_mesh", None)
-        if placements is None or value_mesh is None:
-            continue
-        if mesh is None:
-            mesh, replicated = value_mesh, [True] * value_mesh.ndim
-        elif value_mesh is not mesh and value_mesh != mesh:
-            return IRREGULAR
-        assert replicated is not None
-        for dim, placement in enumerate(placements):
-            replicated[dim] = replicated[dim] and isinstance(placement, Replicate)
-    if mesh is None or replicated is None:
-        return IRREGULAR
-    dims = [dim for dim, whole in enumerate(replicated) if whole and mesh.size(dim) > 1]
-    if not dims:
-        return NO_REPLICAS
-    return ReplicaLayout(mesh, dims[0]) if len(dims) == 1 else IRREGULAR
-
-
-def share_among_replicas(
-    plan: LoadPlan, layout: ReplicaLayout, metadata: Metadata, node: int | None, transport: Transport
-) -> LoadPlan:
-    """Collective over ``layout``'s replica group: ``plan`` with this rank's share of the
-    regions several of the group's ranks read. The replicas share the regions their plans
-    name (one all-gather over the replicas only, of a few compressed integers per item: its
-    bytes grow with the model, not with the job) and each computes the same assignment
-    (:func:`assign_readers`' rule) from them; what they do not all hold (the state of a
-    weight one replica updates) stays with the rank that holds it. ``node``: this rank's
-    machine, where ranks of one machine each read for themselves (a local path); None: share
-    between every pair. ``transport``: the load's (which knows how to reach the replicas)."""
-    replicas = transport.replicas(layout)
-    keys = list(metadata.state_dict_metadata)
-    everyone = replicas.share((_packed(plan, keys), node))
-    dtypes, locations = stored_dtypes(metadata), metadata.storage_data
-    requests = [_unpacked(packed, keys, dtypes, locations) for packed, _ in everyone]
-    machines = range(replicas.world) if node is None else [machine for _, machine in everyone]
-    shares = _assign(requests, machines)
-    if shares is None:
-        return plan
-    shares[replicas.rank].replicas = replicas
-    return _with_share(plan, shares[replicas.rank])
 
 
 def stored_dtypes(metadata: Metadata) -> dict[str, torch.dtype]:
     """Each stored tensor's dtype, by key (what a region's size is counted in)."""
     entries = metadata.state_dict_metadata
     return {fqn: md.properties.dtype for fqn, md in entries.items() if isinstance(md, TensorStorageMetadata)}
-
-
-def _packed(plan: LoadPlan, keys: list[str]) -> bytes:
-    """A plan's tensor reads as the replicas send them: per item its key's number in the
-    metadata, its rank of dimensions, the stored chunk's offsets, the region's offsets and
-    lengths in it, and its position in the plan; compressed (consecutive items differ little)."""
-    number = {fqn: n for n, fqn in enumerate(keys)}
-    values = array("q")
-    for position, item in enumerate(plan.items):
-        if item.type == LoadItemType.BYTE_IO:
-            continue
-        index = item.storage_index
-        chunk = tuple(index.offset or ())
-        values.extend((number[index.fqn], len(chunk), *chunk, *item.storage_offsets, *item.lengths, position))
-    return zlib.compress(values.tobytes(), 1)
-
-
-def _unpacked(packed: bytes, keys: list[str], dtypes: dict[str, torch.dtype], locations: Any) -> list[_Request]:
-    """:func:`_packed`'s items as the assignment takes them, their files and offsets and
-    sizes from the metadata every rank has."""
-    values = array("q")
-    values.frombytes(zlib.decompress(packed))
-    out: list[_Request] = []
-    at = 0
-    while at < len(values):
-        fqn, ndim = keys[values[at]], values[at + 1]
-        chunk = tuple(values[at + 2 : at + 2 + ndim])
-        starts = tuple(values[at + 2 + ndim : at + 2 + 2 * ndim])
-        lengths = tuple(values[at + 2 + 2 * ndim : at + 2 + 3 * ndim])
-        position = values[at + 2 + 3 * ndim]
-        at += 3 + 3 * ndim
-        where = locations[MetadataIndex(fqn, torch.Size(chunk))]
-        nbytes = math.prod(lengths) * (dtypes[fqn].itemsize if fqn in dtypes else 1)
-        out.append(((fqn, chunk, starts, lengths), nbytes, where.relative_path, where.offset, position))
-    return out
 
 
 def _region(item: ReadItem) -> tuple:
@@ -241,10 +125,10 @@ def _nbytes(item: ReadItem, dtypes: dict[str, torch.dtype]) -> int:
 
 #: one tensor read of a rank's plan, as the assignment sees it:
 #: (region, bytes, file, offset in the file, position in the plan)
-_Request = tuple[tuple, int, str, int, int]
+ReadRequest = tuple[tuple, int, str, int, int]
 
 
-def _requests(plan: LoadPlan, dtypes: dict[str, torch.dtype], locations: dict[Any, Any]) -> list[_Request]:
+def read_requests(plan: LoadPlan, dtypes: dict[str, torch.dtype], locations: dict[Any, Any]) -> list[ReadRequest]:
     out = []
     for position, item in enumerate(plan.items):
         if item.type != LoadItemType.BYTE_IO:
@@ -253,7 +137,7 @@ def _requests(plan: LoadPlan, dtypes: dict[str, torch.dtype], locations: dict[An
     return out
 
 
-def _with_share(plan: LoadPlan, share: RankShare) -> LoadPlan:
+def with_share(plan: LoadPlan, share: RankShare) -> LoadPlan:
     data = dict(plan.storage_data) if isinstance(plan.storage_data, dict) else {}
     data[_PLAN_KEY] = share
     return LoadPlan(plan.items, storage_data=data, planner_data=plan.planner_data)
@@ -280,13 +164,13 @@ def assign_readers(
     lowest rank), so it is the same whoever runs it.
     """
     machines: Sequence[Hashable] = nodes if nodes is not None else range(len(plans))
-    shares = _assign([_requests(plan, dtypes, locations) for plan in plans], machines)
+    shares = _assign([read_requests(plan, dtypes, locations) for plan in plans], machines)
     if shares is None:
         return plans  # nothing shared: no rank exchanges anything, and no collective is added
-    return [_with_share(plan, share) for plan, share in zip(plans, shares)]
+    return [with_share(plan, share) for plan, share in zip(plans, shares)]
 
 
-def _assign(requests: list[list[_Request]], machine: Sequence[Hashable]) -> list[RankShare] | None:
+def _assign(requests: list[list[ReadRequest]], machine: Sequence[Hashable]) -> list[RankShare] | None:
     """:func:`assign_readers`' rule over every rank's requests (``machine``: each rank's);
     None where no region is shared."""
     wanted: dict[tuple, list[tuple[int, int]]] = defaultdict(list)  # region -> [(rank, position)]

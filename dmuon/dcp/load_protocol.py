@@ -14,12 +14,12 @@ drives dmuon's planner and reader itself:
    minimum of a hash of each rank's machine say whether the ranks span several); and where
    each rank's identical copies are (``cooperative.replica_layout``: the same on every rank);
 2. reads shared, without a gather to the coordinator: under HSDP (every distributed tensor on
-   one mesh, replicated along one dimension of it) the ranks of each replica group share
-   their read requests among themselves (an all-gather over the replicas, a few ranks
-   whatever the job's size) and each computes the same assignment of readers from them
-   (``cooperative.share_among_replicas``). On an FSDP2 1-D mesh no two ranks hold the same
-   tensor: nothing to share. Only where the layout is irregular (tensors on several meshes,
-   or on none) does the coordinator gather the plans to find what ranks share
+   one mesh, replicated along one dimension of it) each replica group finds the reads all its
+   members make in two all-reduces over the group of a width set by the checkpoint, not by
+   the job, and each member computes the same assignment of readers
+   (``replica_reads.share_among_replicas``). On an FSDP2 1-D mesh no two ranks hold the same
+   tensor: nothing to share. Only where the layout is irregular (tensors on several meshes, or
+   on none) does the coordinator gather the plans to find what ranks share
    (``cooperative.assign_readers``), as it does to name every rank's problem;
 3. each rank reads its share (and its replicas exchange the shared regions);
 4. one all-reduce: did any rank fail; if so, every rank raises one dmuon error naming every
@@ -32,10 +32,10 @@ from dataclasses import dataclass
 
 from torch.distributed.checkpoint.planner import LoadPlan
 
-from .cooperative import IRREGULAR, NO_REPLICAS, ReplicaLayout, replica_layout
 from .load_planner import DMuonLoadPlanner
 from .node_identity import node_number
 from .reader import DMuonStorageReader
+from .replica_reads import IRREGULAR, NO_REPLICAS, ReplicaLayout, replica_layout
 from .transport import Attempt, Transport, same
 
 __all__ = ["run_load"]
@@ -89,6 +89,6 @@ def run_load(state: dict, reader: DMuonStorageReader, planner: DMuonLoadPlanner,
     with Attempt() as reading:
         if sharing and regular and not planned.needs_coordinator and planned.replicas != NO_REPLICAS:
             assert isinstance(layout, ReplicaLayout)
-            final = reader.share_among_replicas(final, layout)
+            final = reader.share_among_replicas(final, planner.state_dict, layout)
         reader.read_data(planner.finish_plan(final), planner).wait()
     transport.settle(reading, "reading")

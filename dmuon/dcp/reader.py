@@ -26,14 +26,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from .checkpoint import CheckpointListing, open_checkpoint
-from .cooperative import (
-    ReplicaLayout,
-    assign_readers,
-    cooperative_setting,
-    share_among_replicas,
-    share_of,
-    stored_dtypes,
-)
+from .cooperative import assign_readers, cooperative_setting, share_of, stored_dtypes
 from .cooperative_exchange import read_shared
 from .errors import CheckpointCorruptError
 from .format.manifest import ItemChecksums
@@ -42,6 +35,7 @@ from .group_transport import GroupTransport
 from .host_staging import DeviceUploads
 from .node_identity import node_number, this_node
 from .rank_failure import Phases
+from .replica_reads import ReplicaLayout, share_among_replicas
 from .storage.base import ReadAheadStream, checked_name
 from .storage.registry import is_remote
 from .storage.retry import retrying
@@ -136,15 +130,16 @@ class DMuonStorageReader(StorageReader):
             ]
         return assign_readers(plans, self._stored_dtypes(), self._listing().metadata.storage_data, nodes)
 
-    def share_among_replicas(self, plan: LoadPlan, layout: ReplicaLayout) -> LoadPlan:
-        """Collective over ``layout``'s replica group: this rank's ``plan`` with its share of
-        what the replicas all read (``cooperative.share_among_replicas``), where this reader
-        shares at all; without a gather of plans (``load_protocol.run_load``)."""
+    def share_among_replicas(self, plan: LoadPlan, state: dict, layout: ReplicaLayout) -> LoadPlan:
+        """Collective over ``layout``'s replica group: this rank's ``plan`` (reading into the
+        flattened ``state``) with its share of what the replicas all read
+        (``replica_reads.py``), where this reader shares at all; without a gather of plans
+        (``load_protocol.run_load``)."""
         if cooperative_setting(self.cooperative) is False:
             return plan
         node = node_number() if self._exchange_across_nodes_only() else None
         transport = self.transport if self.transport is not None else GroupTransport(self.process_group)
-        return share_among_replicas(plan, layout, self._listing().metadata, node, transport)
+        return share_among_replicas(plan, state, layout, self._listing().metadata, node, transport)
 
     def wants_global_plan(self) -> bool | None:
         """Does a load need every rank's plan on the coordinator (a cooperative assignment of

@@ -284,6 +284,11 @@ class Transport:
             return value
         raise self._error({on: value}, what, error, plain=True) from failure
 
+    def all_marked(self, marks: list[bool]) -> list[bool]:
+        """Collective: for each position, whether every rank marked it (one all-reduce of
+        ``len(marks)`` numbers, as many on every rank)."""
+        return [value == -1 for value in self._max([-int(mark) for mark in marks], False)]
+
     def replicas(self, layout: Any) -> Transport:
         """A transport over this rank's replica group: the ranks along ``layout.dim`` of
         ``layout.mesh`` (a cooperative load's ``ReplicaLayout``), whose errors the operation's
