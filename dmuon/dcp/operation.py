@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import zlib
 from typing import Any
 
 import torch
@@ -64,10 +65,12 @@ def open_once(
     def opened() -> bytes:
         listing = open_checkpoint(checkpoint_id, storage_options)
         small_files = (encode_metadata(listing.metadata), listing.manifest, listing.files, listing.manifest_file)
-        return pickle.dumps(small_files, protocol=pickle.HIGHEST_PROTOCOL)
+        # (the file list and the manifest name every data file: one per writing rank, alike
+        # but for the rank's number; compressed, they cost a few bytes a file)
+        return zlib.compress(pickle.dumps(small_files, protocol=pickle.HIGHEST_PROTOCOL), 1)
 
     payload = transport.decided(opened, 0, f"opening {where}")
-    wire, manifest, files, manifest_file = pickle.loads(payload)
+    wire, manifest, files, manifest_file = pickle.loads(zlib.decompress(payload))
     with paused_gc():
         metadata = decode_metadata(wire)
     store = open_store(checkpoint_id, storage_options)
