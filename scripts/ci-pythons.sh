@@ -32,12 +32,19 @@ legs_dir=${DMUON_LEGS_DIR:-/tmp/dmuon-ci-legs}
 # stores: the main suite). Resume and the manager are the same code on every Python: the
 # main suite runs them. So are the 4-rank and HSDP variants of the round trips (the 2-rank
 # ones pickle, raise and exit alike): which mesh the shards lie on is torch's and dmuon's
-# code, not the interpreter's, and the main suite and the torch leg run them.
+# code, not the interpreter's, and the main suite and the torch leg run them. Of the exit cases
+# (torchrun jobs, ~11 s each), every ending of the interpreter stays, a committed save and a
+# failed one; left to the main suite and the torch leg: the other entry points finished by the
+# destroy_process_group patch (which save is in flight, dmuon's manager or torch's own thread,
+# is torch's and dmuon's code) and the failed save reported by that patch (an exception raised
+# from destroy_process_group, as any; the failed save at the interpreter's exit stays here).
 TESTS=(
     tests/core/test_state_dict.py tests/core/test_runtime_cases.py tests/core/test_compat.py
     tests/dcp/test_format_compat.py tests/dcp/test_fault_hostile.py
     tests/dcp/test_entry_points.py tests/dcp/test_async.py tests/dcp/test_async_exit.py
     -k "not s3 and not rgw and not gcs and not 4ranks and not hsdp2x2"
+    --deselect tests/dcp/test_async_exit.py::test_other_entry_points_are_finished_before_destroy
+    --deselect "tests/dcp/test_async_exit.py::test_a_save_that_cannot_commit_is_reported_on_every_rank_and_fails_the_job[destroy]"
 )
 # What a torch release's private names touch (dmuon/compat.py, fsdp_patch.py, exit_guard.py):
 # every compat name, the runtime and its state-dict hooks (meta init, compile, tensor-parallel
