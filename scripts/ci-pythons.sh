@@ -32,12 +32,19 @@ legs_dir=${DMUON_LEGS_DIR:-/tmp/dmuon-ci-legs}
 # stores: the main suite). Resume and the manager are the same code on every Python: the
 # main suite runs them. So are the 4-rank and HSDP variants of the round trips (the 2-rank
 # ones pickle, raise and exit alike): which mesh the shards lie on is torch's and dmuon's
-# code, not the interpreter's, and the main suite and the torch leg run them.
+# code, not the interpreter's, and the main suite and the torch leg run them. Of the exit cases
+# (torchrun jobs, ~11 s each), every ending of the interpreter stays, a committed save and a
+# failed one; left to the main suite and the torch leg: the other entry points finished by the
+# destroy_process_group patch (which save is in flight, dmuon's manager or torch's own thread,
+# is torch's and dmuon's code) and the failed save reported by that patch (an exception raised
+# from destroy_process_group, as any; the failed save at the interpreter's exit stays here).
 TESTS=(
     tests/core/test_state_dict.py tests/core/test_runtime_cases.py tests/core/test_compat.py
     tests/dcp/test_format_compat.py tests/dcp/test_fault_hostile.py
     tests/dcp/test_entry_points.py tests/dcp/test_async.py tests/dcp/test_async_exit.py
     -k "not s3 and not rgw and not gcs and not 4ranks and not hsdp2x2"
+    --deselect tests/dcp/test_async_exit.py::test_other_entry_points_are_finished_before_destroy
+    --deselect "tests/dcp/test_async_exit.py::test_a_save_that_cannot_commit_is_reported_on_every_rank_and_fails_the_job[destroy]"
 )
 # What a torch release's private names touch (dmuon/compat.py, fsdp_patch.py, exit_guard.py):
 # every compat name, the runtime and its state-dict hooks (meta init, compile, tensor-parallel
@@ -47,7 +54,8 @@ TESTS=(
 # torchtitan runs (torch's public schedules, minutes each: the main suite), nor the object-store
 # variants of the async-exit cases (the S3 client's threads at exit are the same code on any
 # torch; the exit guard's torch hooks are met by the local-disk variants; the main suite runs
-# them on S3).
+# them on S3), nor the parse of the docs' torchtitan config module (torchtitan's ConfigManager
+# reading a Python module: config objects only, no model, tensor or process group; ~7 s).
 TORCH_TESTS=(
     tests/core/test_compat.py tests/core/test_state_dict.py tests/core/test_runtime_cases.py
     tests/core/test_meta_init.py tests/core/test_compile.py tests/core/test_exit_guard_release.py
@@ -56,7 +64,7 @@ TORCH_TESTS=(
     tests/dcp/test_torch_compat.py tests/dcp/test_resume.py tests/dcp/test_format_compat.py
     tests/dcp/test_plan_cache.py tests/integrations/test_torchtitan.py
     tests/integrations/test_torchtitan_trainer.py
-    -k "not s3 and not rgw and not gcs"
+    -k "not s3 and not rgw and not gcs and not test_docs_config_parses_through_torchtitans_config_manager"
 )
 USER_NAME=dmuon-ci
 clone=""  # the leg being run: its clone is removed when the leg ends, also when it fails

@@ -58,6 +58,14 @@ def stop_and_resume(folder, **knobs):
     return first, second
 
 
+def resume_from(folder, checkpoint, **knobs):
+    """A fresh job, in ``folder``, from a copy of ``checkpoint``'s step-3 checkpoint (see
+    ``stopped_at_step3``): (what the stopped job ended with, what the resumed one did)."""
+    stopped_folder, first = checkpoint
+    shutil.copytree(stopped_folder / "checkpoint", folder / "checkpoint")
+    return first, train(folder, **knobs)
+
+
 def assert_bit_exact(first, second, whole):
     for rank, reference in enumerate(whole):
         assert first[rank]["step"] == INTERVAL and second[rank]["step"] == STEPS
@@ -113,12 +121,45 @@ def test_experts_are_sharded_over_expert_and_data_parallel_ranks(moe_ep2):
         assert_trained(result)
 
 
-def test_expert_parallel_stop_and_resume_is_bit_exact(tmp_path, moe_ep2):
-    first, second = stop_and_resume(tmp_path, **EP2)
+@pytest.fixture(scope="module")
+def stopped_at_step3(tmp_path_factory):
+    """``get(name, **knobs)``: a job stopped after its step-3 checkpoint, (its folder, what it
+    ended with), run once per module: the stop-and-resume test of a configuration and the tests
+    that load its checkpoint elsewhere start from the same checkpoint (each from a copy), so one
+    job makes it instead of one per test (4-rank jobs of ~10 s each here)."""
+    runs = {}
+
+    def get(name, **knobs):
+        if name not in runs:
+            folder = tmp_path_factory.mktemp(f"titan-{name}-step3")
+            first = train(folder, stop_after=INTERVAL, **knobs)
+            assert sorted(p.name for p in (folder / "checkpoint").iterdir()) == [f"step-{INTERVAL}"]
+            runs[name] = folder, first
+        return runs[name]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def ep2_checkpoint(stopped_at_step3):
+    """A job at EP 2 stopped after its step-3 checkpoint: (its folder, what it ended with)."""
+    return stopped_at_step3("ep2", **EP2)
+
+
+def test_expert_parallel_stop_and_resume_is_bit_exact(tmp_path, moe_ep2, ep2_checkpoint):
+    first, second = resume_from(tmp_path, ep2_checkpoint, **EP2)
     assert_bit_exact(first, second, moe_ep2)
 
 
-def test_expert_parallel_trains_the_model_plain_fsdp_trains(tmp_path, moe_ep2):
+@pytest.fixture(scope="module")
+def moe_ep1(tmp_path_factory):
+    """The MoE at EP 1 (experts on fsdp 4), 6 steps: its folder (checkpoints at steps 3 and 6)
+    and what it ended with."""
+    folder = tmp_path_factory.mktemp("titan-moe-ep1")
+    return folder, train(folder, **EP1)
+
+
+def test_expert_parallel_trains_the_model_plain_fsdp_trains(moe_ep2, moe_ep1):
     """EP 1 (experts on fsdp 4, no all-to-all) from the same initial weights and data.
 
     Equal up to rounding, which Newton-Schulz passes on: each expert's weight gradient is a bf16
@@ -129,7 +170,7 @@ def test_expert_parallel_trains_the_model_plain_fsdp_trains(tmp_path, moe_ep2):
     another's updates: ~100%. The expert biases move by signs of token-count differences, which
     such rounding flips: left out.
     """
-    plain = train(tmp_path, **EP1)
+    _folder, plain = moe_ep1
     assert_same(plain[0]["initial"], moe_ep2[0]["initial"])
     for step, loss in moe_ep2[0]["losses"].items():
         assert plain[0]["losses"][step] == pytest.approx(loss, rel=1e-5)
@@ -151,13 +192,6 @@ def test_uneven_experts_stop_and_resume_is_bit_exact(tmp_path):
     assert_bit_exact(first, second, whole)
 
 
-@pytest.fixture(scope="module")
-def ep2_checkpoint(tmp_path_factory):
-    """A job at EP 2 stopped after its step-3 checkpoint: (its folder, what it ended with)."""
-    folder = tmp_path_factory.mktemp("titan-ep2-step3")
-    return folder, train(folder, stop_after=INTERVAL, **EP2)
-
-
 def load_only(folder, world=4, **knobs):
     """A fresh job that loads the step-3 checkpoint and trains no further."""
     return train(folder, world=world, stop_after=INTERVAL, **knobs)
@@ -174,15 +208,18 @@ def test_expert_parallel_checkpoint_loads_at_other_degrees(tmp_path, ep2_checkpo
     assert_same(loaded[0]["optimizer_state"], saved[0]["optimizer_state"])
 
 
-def test_checkpoint_without_expert_parallelism_loads_at_ep2(tmp_path):
-    saved = train(tmp_path, stop_after=INTERVAL, **EP1)
+def test_checkpoint_without_expert_parallelism_loads_at_ep2(tmp_path, moe_ep1):
+    """The EP 1 run's last checkpoint (step 6: the weights and state it ended with) at EP 2."""
+    folder, saved = moe_ep1
+    shutil.copytree(folder / "checkpoint", tmp_path / "checkpoint")
     loaded = load_only(tmp_path, **EP2)
+    assert loaded[0]["step"] == STEPS and loaded[0]["losses"] == {}
     assert_same(loaded[0]["weights"], saved[0]["weights"])
     assert_same(loaded[0]["optimizer_state"], saved[0]["optimizer_state"])
 
 
 @pytest.mark.parametrize("knobs, parts", [(PP_1F1B, 1), (PP_INTERLEAVED, 2)], ids=["1F1B", "Interleaved1F1B"])
-def test_pipeline_stop_and_resume_is_bit_exact(tmp_path, knobs, parts):
+def test_pipeline_stop_and_resume_is_bit_exact(tmp_path, stopped_at_step3, knobs, parts):
     whole = train(tmp_path / "whole", **knobs)
     for rank, result in enumerate(whole):
         assert result["parts"] == parts
@@ -194,7 +231,8 @@ def test_pipeline_stop_and_resume_is_bit_exact(tmp_path, knobs, parts):
             assert min(result["losses"].values()) > 0
         assert result["weights"].keys() == result["initial"].keys()
         assert_trained(result)
-    first, second = stop_and_resume(tmp_path / "stopped", **knobs)
+    checkpoint = stopped_at_step3(knobs["pipeline_parallel_schedule"], **knobs)
+    first, second = resume_from(tmp_path / "stopped", checkpoint, **knobs)
     assert_bit_exact(first, second, whole)
 
 
@@ -216,12 +254,12 @@ def test_pipeline_trains_the_model_data_parallelism_trains(tmp_path):
         assert difference < 1e-5, (fqn, difference)
 
 
-def test_pipeline_checkpoint_loads_without_pipeline_and_with_another_split(tmp_path):
+def test_pipeline_checkpoint_loads_without_pipeline_and_with_another_split(tmp_path, stopped_at_step3):
     """Saved with two model parts per rank (Interleaved1F1B, pp 2 x fsdp 2); loaded at fsdp 4
     (one whole model per rank) and at 1F1B (one part of 2 blocks per rank)."""
-    saved = train(tmp_path / "saved", stop_after=INTERVAL, **PP_INTERLEAVED)
+    saved_folder, saved = stopped_at_step3("Interleaved1F1B", **PP_INTERLEAVED)
     for name, knobs in [("pp1", {"layers": 4}), ("1F1B", {**PP_1F1B, "layers": 4})]:
-        shutil.copytree(tmp_path / "saved" / "checkpoint", tmp_path / name / "checkpoint")
+        shutil.copytree(saved_folder / "checkpoint", tmp_path / name / "checkpoint")
         loaded = load_only(tmp_path / name, **knobs)
         assert_same(loaded[0]["weights"], saved[0]["weights"])
         assert_same(loaded[0]["optimizer_state"], saved[0]["optimizer_state"])
