@@ -26,7 +26,7 @@ from .direct_io import O_DIRECT, DirectFile
 from .direct_read import DIRECT_READ_MIN_BYTES, DirectReadFile, is_cold
 from .retry import RetryPolicy
 from .write_behind import WriteBehindFile
-from .write_path import REFUSED, choose_write_path, note
+from .write_path import choose_write_path
 
 __all__ = ["DIRECT_IO_FILESYSTEMS", "LOCAL_DIRECT_IO_OPTION", "LocalStore", "filesystem_type", "open_local_store"]
 
@@ -36,9 +36,9 @@ log = logging.getLogger(__name__)
 LOCAL_DIRECT_IO_OPTION = "direct_io"
 
 # Filesystems on a block device whose O_DIRECT is plain (no network or cluster semantics, no
-# data checksums that a buffer could race with): there streamed files are written direct by
-# default (write_path.py). Elsewhere (tmpfs, NFS, Lustre, btrfs, ...) they go through the page
-# cache.
+# data checksums that a buffer could race with): where ``direct_io=True`` is known to behave
+# (elsewhere -- tmpfs, NFS, Lustre, btrfs -- it may be refused or slow). Nothing is written
+# direct unless asked (write_path.py).
 DIRECT_IO_FILESYSTEMS = frozenset({"ext4", "xfs"})
 
 
@@ -48,32 +48,24 @@ class LocalStore:
     retry = RetryPolicy(attempts=1)
 
     def __init__(self, root: str, sync_files: bool = True, direct_io: bool | None = None) -> None:
-        """``direct_io``: write streamed files past the page cache; ``None`` (the default)
-        does it on ext4 and XFS (``write_path.py``), ``False`` never (a copy to be read back
-        on this node), ``True`` always (an error where the filesystem refuses it)."""
+        """``direct_io``: write streamed files, and read cold ones, past the page cache:
+        ``True`` always (an error where the filesystem refuses it); ``None`` (the default) and
+        ``False`` never (``write_path.py`` says why)."""
         self.root = os.path.abspath(root)
         self.url = self.root
         self.sync_files = sync_files
         self.direct_io = direct_io
         self._direct: bool | None = None  # resolved on the first streamed write
-        self._plain: bool | None = None  # whether O_DIRECT here is plain (resolved once)
-
-    def _direct_is_plain(self) -> bool:
-        if self._plain is None:
-            self._plain = bool(O_DIRECT) and filesystem_type(self.root) in DIRECT_IO_FILESYSTEMS
-        return self._plain
 
     def _use_direct_io(self) -> bool:
         if self._direct is None:
             if self.direct_io and not O_DIRECT:
                 raise ValueError(f"direct_io=True for {self.root}, but this platform has no O_DIRECT")
-            self._direct = choose_write_path(self.root, self.direct_io, self._direct_is_plain()).direct
+            self._direct = choose_write_path(self.root, self.direct_io).direct
         return self._direct
 
     def _reads_direct(self) -> bool:
-        if self.direct_io is not None:
-            return self.direct_io
-        return self._direct_is_plain() and self._direct is not False  # (False: O_DIRECT refused)
+        return self.direct_io is True
 
     def _path(self, name: str) -> str:
         return os.path.join(self.root, checked_name(name))
@@ -110,23 +102,15 @@ class LocalStore:
 
     def _open_for_writing(self, path: str, direct: bool) -> BinaryIO:
         if direct:
-            try:
-                return cast(BinaryIO, DirectFile(path))
-            except OSError as error:
-                if self.direct_io or error.errno != errno.EINVAL:
-                    raise
-                # the filesystem refuses O_DIRECT after all: buffered from now on
-                log.info("direct I/O refused under %s (%s); writing through the page cache", self.root, error)
-                self._direct = False
-                note(self.root, REFUSED)
+            return cast(BinaryIO, DirectFile(path))  # (only when asked: refused, it is an error)
         if self.sync_files:  # (it is fsynced at the end: start writing it back now)
             return cast(BinaryIO, WriteBehindFile(path))
         return open(path, "wb")
 
     def open_read(self, name: str) -> BinaryIO:
         """A data file none of which is in the page cache is read past the cache
-        (``direct_read.py``) where writes go past it too (``direct_io=True``, or the default
-        on ext4 and XFS): the same rule in every process, whether it saved first or not."""
+        (``direct_read.py``) where writes go past it too (``direct_io=True``): the same rule
+        in every process, whether it saved first or not."""
         path = self._path(name)
         if self._reads_direct():
             size = os.path.getsize(path)

@@ -14,12 +14,16 @@ torch's in one run, 0.70x in the next: issue 44), so a user could neither predic
 reproduce what a job would do. The choice is now a rule that reads in one line each:
 
 * the local path's ``direct_io`` storage option, when given (``True`` or ``False``), wins;
-* otherwise streamed data files are written direct on a filesystem whose ``O_DIRECT`` is plain
-  (``local.DIRECT_IO_FILESYSTEMS``: ext4, XFS) and buffered on every other (tmpfs, network and
-  cluster filesystems, btrfs), or where the filesystem refuses ``O_DIRECT`` after all;
-* a copy written to be read back on the node that writes it is written buffered: the tiers'
-  local copy does it, and any ``Checkpointer``, ``CheckpointManager`` or ``dcp.save`` given
-  ``storage_options={"direct_io": False}`` does.
+* otherwise streamed data files are written buffered, on every filesystem.
+
+Until issue 44's quiet measurements, ext4 and XFS defaulted to direct. Measured alone on this
+machine, 2 ranks, ratios to torch's DCP (wall, paired medians; ``benchmarks/save_load.py``,
+``docs/performance.md``), buffered against direct: at 512 MiB, three runs, save 0.50-0.62 /
+0.54-0.65, load right after the save 0.42-0.54 / 1.47-1.65, cold 0.81-0.91 / 1.02-1.37, warm
+0.36-0.49 / 0.39-0.52; at 4 GiB (the first save into fresh pages) save 0.68 / 0.81, natural
+0.49 / 2.11, cold 0.88 / 1.02, warm 0.53 / 0.62. Direct saved CPU (0.30-0.34 of torch's against
+0.51-0.62) and lost wall time in every cell: a default that buys CPU with wall is the wrong one.
+``direct_io=True`` keeps it for a job that wants the page cache left alone.
 
 Each filesystem's choice is logged once per process (logger ``dmuon.dcp.storage.write_path``,
 INFO); :func:`known_choices` lists what was logged and :func:`forget_choices` drops the list
@@ -49,11 +53,9 @@ class WritePathChoice:
         return f"{'direct I/O' if self.direct else 'buffered writes'} ({self.reason})"
 
 
-DIRECT_BY_RULE = WritePathChoice(True, "the filesystem takes plain O_DIRECT: direct by default")
-BUFFERED_BY_RULE = WritePathChoice(False, "the filesystem's O_DIRECT is not plain, or there is none")
-BUFFERED_ASKED = WritePathChoice(False, "direct_io=False: a copy to be read back on this node")
+BUFFERED_BY_RULE = WritePathChoice(False, "the default: direct I/O only when asked, direct_io=True")
+BUFFERED_ASKED = WritePathChoice(False, "direct_io=False")
 DIRECT_ASKED = WritePathChoice(True, "direct_io=True")
-REFUSED = WritePathChoice(False, "the filesystem refused O_DIRECT")
 
 # st_dev of a filesystem -> the choice logged for it in this process (see known_choices)
 _logged: dict[int, WritePathChoice] = {}
@@ -72,14 +74,11 @@ def forget_choices() -> None:
         _logged.clear()
 
 
-def choose_write_path(root: str, direct_io: bool | None, direct_is_plain: bool) -> WritePathChoice:
+def choose_write_path(root: str, direct_io: bool | None) -> WritePathChoice:
     """The way for streamed files under the existing directory ``root``: the ``direct_io``
-    option when given, else direct exactly where ``direct_is_plain`` (and the filesystem has
-    not refused ``O_DIRECT`` in this process); logged once per filesystem and answer."""
+    option when given, else buffered; logged once per filesystem and answer."""
     if direct_io is None:
-        with _lock:  # a filesystem that refused O_DIRECT in this process is not asked again
-            refused = _logged.get(os.stat(root).st_dev) == REFUSED
-        choice = REFUSED if refused else DIRECT_BY_RULE if direct_is_plain else BUFFERED_BY_RULE
+        choice = BUFFERED_BY_RULE
     else:
         choice = DIRECT_ASKED if direct_io else BUFFERED_ASKED
     note(root, choice)

@@ -121,10 +121,10 @@ def test_the_store_reads_cold_large_files_past_the_cache_where_it_writes_past_it
     _dropped(path)
     with LocalStore(str(tmp_path), direct_io=False).open_read("data") as f:
         assert isinstance(f, LocalReadFile)  # direct I/O turned off: reads too
-    # The default follows the rule, in a process that never wrote here too: direct on ext4/XFS.
+    # The default follows the rule, in a process that never wrote here too: through the cache.
     write_path.forget_choices()
     with LocalStore(str(tmp_path)).open_read("data") as f:
-        assert isinstance(f, DirectReadFile)
+        assert isinstance(f, LocalReadFile)
     assert write_path.known_choices() == {}  # (a read logs nothing: only writes choose a way)
 
 
