@@ -148,7 +148,7 @@ class ShardStub(torch.Tensor):
 
 class StubMesh:
     """A 2-D device mesh as a DTensor's planner sees it (this rank's coordinate and the sizes),
-    and as a load finds its replicas (``cooperative.replica_layout``: its dimensions, names and
+    and as a load finds its replicas (``replica_reads.replica_layout``: its dimensions, names and
     equality; the simulated transport reaches the ranks along the first)."""
 
     mesh_dim_names = ("replicate", "shard")

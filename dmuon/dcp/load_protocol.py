@@ -12,7 +12,7 @@ drives dmuon's planner and reader itself:
    may hold: ``DMuonLoadPlanner.needs_global_check``); does the reader share reads between
    ranks (always on object storage; on a local path only between machines: the maximum and
    minimum of a hash of each rank's machine say whether the ranks span several); and where
-   each rank's identical copies are (``cooperative.replica_layout``: the same on every rank);
+   each rank's identical copies are (``replica_reads.replica_layout``: the same on every rank);
 2. reads shared, without a gather to the coordinator: under HSDP (every distributed tensor on
    one mesh, replicated along one dimension of it) each replica group finds the reads all its
    members make in two all-reduces over the group of a width set by the checkpoint, not by
