@@ -104,11 +104,11 @@ def test_prefixes_take_eight_writers_out_of_one_throttled_range(s3_server):
     print(f"data-file refusals per range and save time (2 saves, 8 ranks): without prefixes {outcome[0]}, "
           f"with 8 {outcome[8]}")
     alone, spread = outcome[0][0], outcome[8][0]
-    # Without prefixes the eight writers meet in one range, which refuses many of them.
+    # Without prefixes the eight writers of a step meet in one range, which refuses many of them.
     assert sum(alone.values()) >= 10 and max(alone.values()) >= 10, outcome
     # With them, no range is refused anything like as often: each holds one rank's writes. (A
     # few refusals remain there: the previous step's deletions, and a rank's own requests
     # bunched up -- more so on a loaded machine, where the totals came as close as 52 against
-    # 28 while the most refused range had a few; the totals are not what prefixes bound.)
-    assert max(spread.values(), default=0) * 3 <= max(alone.values()), outcome
+    # 28; the most refused range: 40, 34, 28 without prefixes against 6, 5, 7 with them.)
+    assert max(spread.values(), default=0) * 2 <= max(alone.values()), outcome
     assert sum(spread.values()) < sum(alone.values()), outcome
