@@ -28,7 +28,7 @@ from .format.verified_read import VerifiedReads
 from .storage.base import Store, checked_name
 from .storage.registry import open_store
 
-__all__ = ["CheckpointListing", "inspect", "open_checkpoint", "open_checkpoint_with_bytes", "read_commit", "verify"]
+__all__ = ["CheckpointListing", "inspect", "open_checkpoint", "read_commit", "verify"]
 
 log = logging.getLogger(__name__)
 
@@ -115,14 +115,6 @@ def open_checkpoint(
     checkpoint_id: str | os.PathLike, storage_options: dict | None = None, store: Store | None = None
 ) -> CheckpointListing:
     """List, verify and decode a checkpoint's metadata (no data file is read)."""
-    return open_checkpoint_with_bytes(checkpoint_id, storage_options, store)[0]
-
-
-def open_checkpoint_with_bytes(
-    checkpoint_id: str | os.PathLike, storage_options: dict | None = None, store: Store | None = None
-) -> tuple[CheckpointListing, bytes]:
-    """:func:`open_checkpoint`, and the ``.metadata`` bytes it decoded: what one rank sends the
-    others (``operation.open_once``) instead of pickling the decoded ``Metadata`` again."""
     store = store or open_store(checkpoint_id, storage_options)
     files = store.list()
     where = store.url
@@ -137,7 +129,7 @@ def open_checkpoint_with_bytes(
         log.warning("%s has no dmuon checksum manifest (not written by dmuon?): loading unverified", where)
     metadata = load_metadata_bytes(metadata_bytes, where)
     _check_storage_ranges(files, metadata, manifest, where)
-    return CheckpointListing(store, metadata, manifest, files=files, manifest_file=manifest_file), metadata_bytes
+    return CheckpointListing(store, metadata, manifest, files=files, manifest_file=manifest_file)
 
 
 def verify(
