@@ -29,7 +29,7 @@ import time
 from harness import cpu_seconds, run_ranks
 
 
-def worker(rank, world, mib, rounds, root):
+def worker(rank, world, mib, rounds, root, ns_steps=5, async_options=None):
     import torch
     import torch.distributed as dist
     from torch import nn
@@ -46,7 +46,7 @@ def worker(rank, world, mib, rounds, root):
     mesh = init_device_mesh("cpu", (world,))
     dmuon.dedicate_params(model, mesh, lambda n, p: p.ndim == 2)
     fully_shard(model, mesh=mesh)
-    opt = dmuon.Muon(model)
+    opt = dmuon.Muon(model, ns_steps=ns_steps)
     x = torch.randn(64, dim, generator=torch.Generator().manual_seed(rank))
 
     def step():
@@ -68,7 +68,8 @@ def worker(rank, world, mib, rounds, root):
         out["sync save"].append(timed(functools.partial(ddcp.save, model, opt, f"{root}/sync-{r}")))
         out["step"].append(timed(step))
         started: list = []
-        call = functools.partial(_start, started, ddcp.async_save, model, opt, f"{root}/async-{r}")
+        call = functools.partial(_start, started, ddcp.async_save, model, opt, f"{root}/async-{r}",
+                                 storage_options=async_options)
         out["async call"].append(timed(call))
         out["step after call"].append(timed(step))
         started[0].wait()
@@ -76,8 +77,8 @@ def worker(rank, world, mib, rounds, root):
     return out
 
 
-def _start(started: list, async_save, *args) -> None:
-    started.append(async_save(*args))
+def _start(started: list, async_save, *args, **kwargs) -> None:
+    started.append(async_save(*args, **kwargs))
 
 
 def main() -> None:
@@ -85,11 +86,14 @@ def main() -> None:
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--mib", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--ns-steps", type=int, default=5,
+                        help="Newton-Schulz iterations: fewer make a shorter step, which leaves less time "
+                             "for the copy and the write to hide behind")
     parser.add_argument("--root", default=None, help="where checkpoints go (default: a temporary directory)")
     args = parser.parse_args()
     root = tempfile.mkdtemp(prefix="dmuon-snapshot-", dir=args.root)
     try:
-        per_rank = run_ranks(worker, args.world_size, args.mib, args.rounds, root)
+        per_rank = run_ranks(worker, args.world_size, args.mib, args.rounds, root, args.ns_steps)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     print(f"{args.world_size} CPU ranks, ~{args.mib} MiB of parameters (+ momentum), {args.rounds} rounds; "

@@ -117,6 +117,8 @@ class Checkpointer:
         self.plan_cache = SavePlanCache()
         self._in_flight: SaveHandle | None = None
 
+    writes_in_background = False  # (storage/write_path.py: what such a save's writes cost training)
+
     def __enter__(self) -> Checkpointer:
         return self
 
@@ -151,7 +153,10 @@ class Checkpointer:
         options = self.storage_options if storage_options is None else storage_options
         state = AppState(model, optimizer, extra).state_dict()
         prefixes = self.key_prefixes if key_prefixes is None else key_prefixes
-        writer = DMuonStorageWriter(checkpoint_id, storage_options=options, overwrite=overwrite, key_prefixes=prefixes)
+        background = self.writes_in_background
+        writer = DMuonStorageWriter(
+            checkpoint_id, storage_options=options, overwrite=overwrite, key_prefixes=prefixes, in_background=background
+        )
         planner = DMuonSavePlanner(plan_cache=self.plan_cache)
         self._in_flight = self._write(state, writer, planner, checkpoint_id, model)
         return self._in_flight
@@ -269,7 +274,11 @@ def _staging_options() -> StagingOptions:
 class AsyncCheckpointer(Checkpointer):
     """A :class:`Checkpointer` whose saves write in the background: ``save`` returns once this
     rank's share is in host memory. One save in flight at a time; a failure nobody has looked
-    at is raised at the next call. Its gloo group is created on the first save (collective)."""
+    at is raised at the next call. Its gloo group is created on the first save (collective).
+    On ext4/XFS its data files are written with direct I/O unless ``direct_io`` says otherwise:
+    the write's CPU is what training feels (``storage/write_path.py``)."""
+
+    writes_in_background = True
 
     def __init__(self, *, storage_options: dict | None = None, key_prefixes: int = 0) -> None:
         super().__init__(storage_options=storage_options, key_prefixes=key_prefixes)

@@ -37,6 +37,7 @@ from .format.torch_zip import Placement
 from .host_staging import HostStaging
 from .rank_failure import Phases
 from .storage.base import BorrowingStream, Store
+from .storage.local import LocalStore
 from .storage.registry import open_store
 from .storage.retry import retrying
 
@@ -178,7 +179,9 @@ class DMuonStorageWriter(StorageWriter):
     ``overwrite=False`` refuses a path that holds a committed checkpoint; ``True`` replaces it
     atomically at commit. ``key_prefixes``: spread the data files' names over that many
     leading hex prefixes (object storage at many writers; ``format.layout.data_file_name``).
-    ``sync_files`` defaults to fsync on local disks, never on object stores. Accelerator
+    ``sync_files`` defaults to fsync on local disks, never on object stores. ``in_background``:
+    the save runs behind training (an async save), so a local path writes the way that costs
+    training the least CPU (``storage/write_path.py``). Accelerator
     tensors reach the file through :class:`~.host_staging.HostStaging`
     (a few reusable pinned buffers, each copy overlapped with the write of the item before).
     """
@@ -194,8 +197,10 @@ class DMuonStorageWriter(StorageWriter):
         overwrite: bool = False,
         sync_files: bool | None = None,
         key_prefixes: int = 0,
+        in_background: bool = False,
     ) -> None:
         super().__init__()
+        self.in_background = in_background
         if not 0 <= key_prefixes <= MAX_KEY_PREFIXES:
             raise ValueError(f"key_prefixes must be between 0 (off) and {MAX_KEY_PREFIXES}, got {key_prefixes}")
         self.key_prefixes = key_prefixes
@@ -213,6 +218,8 @@ class DMuonStorageWriter(StorageWriter):
         if checkpoint_id is not None:
             self.checkpoint_id = checkpoint_id
             self.store = open_store(checkpoint_id, self.storage_options, self.sync_files)
+            if isinstance(self.store, LocalStore):
+                self.store.in_background = self.in_background
         self.save_id = None
 
     def _store(self) -> Store:

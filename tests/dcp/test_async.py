@@ -3,6 +3,8 @@ import pytest
 
 import dmuon
 import dmuon.dcp as ddcp
+from dmuon.dcp.storage import write_path
+from dmuon.dcp.storage.local import DIRECT_IO_FILESYSTEMS, filesystem_type
 from tests.helpers.launch import run_ranks
 from tests.helpers.setup import max_abs_diff
 from tests.helpers.training import build, train
@@ -19,6 +21,7 @@ def async_worker(rank, world, path, replicate):
     losses = train(model, opt, rank, world, range(2, 5))
     handle.wait()
     assert handle.done()
+    written = list(write_path.known_choices().values())  # (only this save wrote)
     fresh, fresh_opt = build(replicate)
     extra = ddcp.load(fresh, fresh_opt, path)
     loaded = dmuon.get_model_state_dict(fresh, rank0_only=False)
@@ -31,6 +34,7 @@ def async_worker(rank, world, path, replicate):
         "moved_on": max_abs_diff(dmuon.get_model_state_dict(model, rank0_only=False), snapshot),
         "losses": losses,
         "running_after_return": running_after_return,
+        "write_paths": written,
     }
 
 
@@ -48,6 +52,8 @@ def test_mutations_after_return_never_reach_the_checkpoint(tmp_path, world, repl
         assert res["model_diff"] == 0.0 and res["optim_diff"] == 0.0
         assert res["moved_on"] > 0.0  # training did change the live model after the call
         assert res["losses"] == reference[rank]  # the background write did not disturb training
+        background = res["write_paths"] == [write_path.DIRECT_IN_BACKGROUND]  # (its CPU, not its wall, costs training)
+        assert background == (filesystem_type(str(tmp_path)) in DIRECT_IO_FILESYSTEMS), res["write_paths"]
 
 
 def failing_async_worker(rank, world, path):

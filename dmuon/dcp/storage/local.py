@@ -2,9 +2,9 @@
 
 Each step is made durable: files are fsynced, small files are put atomically (written under a
 temporary name, then renamed, or linked for create-if-absent), and the directory is fsynced
-after a rename. Streamed files (data files, exports) are written with direct I/O, past the
-page cache (:class:`DirectFile`), on filesystems whose ``O_DIRECT`` is plain, else through the
-page cache; the ``direct_io`` option overrides the rule (``write_path.py``).
+after a rename. Streamed files (data files, exports) are written through the page cache, or
+past it with direct I/O (:class:`DirectFile`) where asked (``direct_io=True``) or where a save
+runs in the background on ext4/XFS (``write_path.py`` has the rule and the measurements).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from .direct_io import O_DIRECT, DirectFile
 from .direct_read import DIRECT_READ_MIN_BYTES, DirectReadFile, is_cold
 from .retry import RetryPolicy
 from .write_behind import WriteBehindFile
-from .write_path import choose_write_path
+from .write_path import DIRECT_IO_FILESYSTEMS, choose_write_path
 
 __all__ = ["DIRECT_IO_FILESYSTEMS", "LOCAL_DIRECT_IO_OPTION", "LocalStore", "filesystem_type", "open_local_store"]
 
@@ -34,12 +34,6 @@ log = logging.getLogger(__name__)
 
 #: The one storage option a local path takes (``LocalStore``'s ``direct_io``).
 LOCAL_DIRECT_IO_OPTION = "direct_io"
-
-# Filesystems on a block device whose O_DIRECT is plain (no network or cluster semantics, no
-# data checksums that a buffer could race with): where ``direct_io=True`` is known to behave
-# (elsewhere -- tmpfs, NFS, Lustre, btrfs -- it may be refused or slow). Nothing is written
-# direct unless asked (write_path.py).
-DIRECT_IO_FILESYSTEMS = frozenset({"ext4", "xfs"})
 
 
 class LocalStore:
@@ -49,19 +43,27 @@ class LocalStore:
 
     def __init__(self, root: str, sync_files: bool = True, direct_io: bool | None = None) -> None:
         """``direct_io``: write streamed files, and read cold ones, past the page cache:
-        ``True`` always (an error where the filesystem refuses it); ``None`` (the default) and
-        ``False`` never (``write_path.py`` says why)."""
+        ``True`` always (an error where the filesystem refuses it); ``False`` never; ``None``
+        (the default) by ``write_path.py``'s rule: direct where :attr:`in_background` is set
+        on ext4/XFS (falling back to the page cache where ``O_DIRECT`` is refused after all)."""
         self.root = os.path.abspath(root)
         self.url = self.root
         self.sync_files = sync_files
         self.direct_io = direct_io
+        #: The saves through this store run behind training (set by the storage writer of an
+        #: async save): their CPU is what training feels, not their wall time.
+        self.in_background = False
         self._direct: bool | None = None  # resolved on the first streamed write
 
     def _use_direct_io(self) -> bool:
         if self._direct is None:
             if self.direct_io and not O_DIRECT:
                 raise ValueError(f"direct_io=True for {self.root}, but this platform has no O_DIRECT")
-            self._direct = choose_write_path(self.root, self.direct_io).direct
+            background = self.in_background and self.direct_io is None and bool(O_DIRECT)
+            filesystem = filesystem_type(self.root) if background else ""
+            self._direct = choose_write_path(
+                self.root, self.direct_io, background=background, filesystem=filesystem
+            ).direct
         return self._direct
 
     def _reads_direct(self) -> bool:
@@ -102,7 +104,13 @@ class LocalStore:
 
     def _open_for_writing(self, path: str, direct: bool) -> BinaryIO:
         if direct:
-            return cast(BinaryIO, DirectFile(path))  # (only when asked: refused, it is an error)
+            try:
+                return cast(BinaryIO, DirectFile(path))
+            except OSError as error:  # asked for, a refusal is an error; chosen by the rule, not
+                if self.direct_io or error.errno != errno.EINVAL:
+                    raise
+                log.warning("%s: O_DIRECT refused (%s); writing through the page cache", self.root, error)
+                self._direct = False
         if self.sync_files:  # (it is fsynced at the end: start writing it back now)
             return cast(BinaryIO, WriteBehindFile(path))
         return open(path, "wb")
@@ -175,7 +183,9 @@ class LocalStore:
         return os.path.getmtime(self._path(name))
 
     def child(self, name: str) -> LocalStore:
-        return LocalStore(self._path(name), self.sync_files, self.direct_io)
+        child = LocalStore(self._path(name), self.sync_files, self.direct_io)
+        child.in_background = self.in_background
+        return child
 
     def list_dirs(self) -> builtins.list[str]:
         try:

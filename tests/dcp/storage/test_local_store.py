@@ -263,3 +263,74 @@ def test_an_explicit_direct_io_option_wins_over_the_rule(tmp_path, direct):
     write_path.forget_choices()
 
 
+
+
+def test_a_background_save_writes_direct_on_ext4_and_xfs_and_buffered_elsewhere(tmp_path, caplog):
+    """An async save's writes cost training CPU, not wall (write_path.py); direct_io wins."""
+    write_path.forget_choices()
+    kind = filesystem_type(str(tmp_path))
+    with caplog.at_level(logging.INFO, logger="dmuon.dcp.storage.write_path"):
+        for name, option in (("rule", None), ("asked-buffered", False)):
+            store = LocalStore(str(tmp_path / name), direct_io=option)
+            store.in_background = True
+            store.makedirs()
+            assert store.child("sub").in_background  # (a store's subdirectories write alike)
+            with store.open_write("data") as f:
+                assert isinstance(f, DirectFile) == (option is None and kind in DIRECT_IO_FILESYSTEMS)
+                f.write(b"y" * 5000)
+            assert store.read("data") == b"y" * 5000
+    choices = list(write_path.known_choices().values())
+    if kind in DIRECT_IO_FILESYSTEMS:
+        assert choices == [write_path.DIRECT_IN_BACKGROUND, write_path.BUFFERED_ASKED]
+        assert caplog.text.count(write_path.DIRECT_IN_BACKGROUND.describe()) == 1
+    else:
+        assert not choices[0].direct and kind in choices[0].reason
+    write_path.forget_choices()
+
+
+def test_a_background_save_on_tmpfs_is_written_through_the_page_cache():
+    if not os.path.isdir("/dev/shm") or filesystem_type("/dev/shm") != "tmpfs":
+        pytest.skip("no tmpfs at /dev/shm")
+    write_path.forget_choices()
+    store = LocalStore(f"/dev/shm/dmuon-test-bg-{os.getpid()}")
+    store.in_background = True
+    store.makedirs()
+    try:
+        with store.open_write("data") as f:
+            assert not isinstance(f, DirectFile)
+            f.write(b"x" * 10)
+        assert [c.reason for c in write_path.known_choices().values()] == [
+            "a background save on tmpfs: direct I/O only on ext4/xfs"
+        ]
+    finally:
+        store.remove_tree()
+        write_path.forget_choices()
+
+
+def test_a_background_save_falls_back_to_the_page_cache_where_o_direct_is_refused(tmp_path, monkeypatch, caplog):
+    """Chosen by the rule, a refusal (EINVAL at open: ext4 with data=journal, say) is not an
+    error; asked for with direct_io=True, it is. (No filesystem here refuses O_DIRECT, so the
+    refusal is injected at DirectFile's open.)"""
+    if filesystem_type(str(tmp_path)) not in DIRECT_IO_FILESYSTEMS:
+        pytest.skip("the rule picks direct I/O on ext4/XFS only")
+    import dmuon.dcp.storage.local as local
+
+    def refuse(path):
+        raise OSError(errno.EINVAL, "Invalid argument", path)
+
+    monkeypatch.setattr(local, "DirectFile", refuse)
+    store = LocalStore(str(tmp_path / "rule"))
+    store.in_background = True
+    store.makedirs()
+    with caplog.at_level(logging.WARNING, logger="dmuon.dcp.storage.local"):
+        for name in ("a", "b"):
+            with store.open_write(name) as f:
+                f.write(b"z" * 5000)
+    assert store.read("b") == b"z" * 5000
+    assert caplog.text.count("O_DIRECT refused") == 1  # (then remembered for the store)
+    asked = LocalStore(str(tmp_path / "asked"), direct_io=True)
+    asked.makedirs()
+    with pytest.raises(OSError, match="Invalid argument"):
+        with asked.open_write("a"):
+            pass
+    write_path.forget_choices()
