@@ -37,6 +37,7 @@ machines notwithstanding; unset is the behaviour above.
 
 from __future__ import annotations
 
+import heapq
 import os
 from collections import defaultdict
 from collections.abc import Hashable, Sequence
@@ -53,6 +54,7 @@ __all__ = [
     "COOPERATIVE_ENV",
     "RankShare",
     "ReadRequest",
+    "ReaderRule",
     "Transfer",
     "assign_readers",
     "cooperative_setting",
@@ -170,6 +172,43 @@ def assign_readers(
     return [with_share(plan, share) for plan, share in zip(plans, shares)]
 
 
+class ReaderRule:
+    """:func:`assign_readers`' rule, one shared region at a time, in file order: the region goes
+    to the least loaded of the ranks that want it (ties: the lowest), unless the reader of the
+    region just before it in the same file wants it too and has read at most
+    :data:`STICKY_BYTES` more (neighbours then come in one request from one rank). The
+    coordinator (any ranks want a region) and each replica group (every member wants it,
+    ``replica_reads.py``) both assign through it: the same rule in one place. ``load``: what
+    each rank reads already; a heap of it finds the least loaded of all ranks in O(log R)."""
+
+    def __init__(self, load: list[int]) -> None:
+        self.load = load
+        self._heap = [(nbytes, rank) for rank, nbytes in enumerate(load)]  # stale entries skipped
+        heapq.heapify(self._heap)
+        self._previous: tuple[str, int] | None = None  # (file, reader) of the region before
+
+    def pick(self, file: str, wanting: Sequence[int] | None = None) -> int:
+        """The reader of the next region, in ``file``, among ``wanting`` (sorted; None: all)."""
+        if wanting is None:
+            while self._heap[0][0] != self.load[self._heap[0][1]]:
+                heapq.heappop(self._heap)
+            least = self._heap[0][1]
+        else:
+            least = min(wanting, key=lambda rank: (self.load[rank], rank))
+        source = least
+        previous = self._previous
+        if previous is not None and previous[0] == file and (wanting is None or previous[1] in wanting):
+            if self.load[previous[1]] <= self.load[least] + STICKY_BYTES:
+                source = previous[1]
+        self._previous = (file, source)
+        return source
+
+    def charge(self, rank: int, nbytes: int) -> None:
+        """``rank`` reads ``nbytes`` more from storage."""
+        self.load[rank] += nbytes
+        heapq.heappush(self._heap, (self.load[rank], rank))
+
+
 def _assign(requests: list[list[ReadRequest]], machine: Sequence[Hashable]) -> list[RankShare] | None:
     """:func:`assign_readers`' rule over every rank's requests (``machine``: each rank's);
     None where no region is shared."""
@@ -192,19 +231,14 @@ def _assign(requests: list[list[ReadRequest]], machine: Sequence[Hashable]) -> l
         return None
     shares = [RankShare() for _ in requests]
     shared.sort(key=lambda entry: entry[0])
-    previous: tuple[str, int] | None = None  # (file, reader) of the region before
+    rule = ReaderRule(load)
     for tag, ((file, _, _), nbytes, askers) in enumerate(shared):
         ranks = sorted({rank for rank, _ in askers})
-        least = min(ranks, key=lambda rank: (load[rank], rank))
-        source = least
-        if previous is not None and previous[0] == file and previous[1] in ranks:
-            if load[previous[1]] <= load[least] + STICKY_BYTES:
-                source = previous[1]
-        previous = (file, source)
+        source = rule.pick(file, ranks)
         # the reader's machine mates read it themselves, from their page cache (``nodes``)
         mates = {rank for rank in ranks if rank != source and machine[rank] == machine[source]}
         for rank in (source, *mates):
-            load[rank] += nbytes
+            rule.charge(rank, nbytes)
         transfer = Transfer(tag, source, tuple(rank for rank in ranks if rank != source and rank not in mates))
         read_by_source = False
         for rank, position in askers:

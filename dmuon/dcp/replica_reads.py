@@ -17,7 +17,7 @@ its members make without sending those reads to one another:
    of it (its maximum and minimum) checks that every member drew the same list (else that
    group shares nothing: each member reads for itself);
 3. every member assigns readers over that list by the coordinator's rule
-   (``cooperative.assign_readers``: bytes balanced, neighbours in a file left with one reader
+   (``cooperative.ReaderRule``: bytes balanced, neighbours in a file left with one reader
    within ``cooperative.STICKY_BYTES``), with a heap of the members' loads: O(reads x log R)
    work, the same on every member.
 
@@ -31,7 +31,6 @@ only other machines receive it.
 from __future__ import annotations
 
 import hashlib
-import heapq
 import zlib
 from dataclasses import dataclass
 from typing import Any
@@ -40,7 +39,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadPlan
 from torch.distributed.tensor import Replicate
 
-from .cooperative import STICKY_BYTES, RankShare, ReadRequest, Transfer, read_requests, stored_dtypes, with_share
+from .cooperative import RankShare, ReaderRule, ReadRequest, Transfer, read_requests, stored_dtypes, with_share
 from .transport import Transport, same
 
 __all__ = ["IRREGULAR", "NO_REPLICAS", "ReplicaLayout", "replica_layout", "share_among_replicas"]
@@ -149,26 +148,22 @@ def _digest(shared: list[ReadRequest]) -> int:
 
 
 def _assigned(shared: list[ReadRequest], me: int, machines: list[Any]) -> RankShare:
-    """Member ``me``'s sends and receives, by the coordinator's rule over ``shared`` (the same
-    list on every member, in file order); ``machines``: each member's."""
-    load = [0] * len(machines)
-    heap = [(0, member) for member in range(len(machines))]  # (load, member); stale entries skipped
+    """Member ``me``'s sends and receives, by the coordinator's rule (``ReaderRule``) over
+    ``shared`` (the same list on every member, in file order); ``machines``: each member's."""
+    mates_of: dict[Any, list[int]] = {}
+    for member, machine in enumerate(machines):
+        mates_of.setdefault(machine, []).append(member)
+    rule = ReaderRule([0] * len(machines))
     share = RankShare()
-    previous: tuple[str, int] | None = None  # (file, reader) of the region before
     for tag, (_, nbytes, file, _, position) in enumerate(shared):
-        while heap[0][0] != load[heap[0][1]]:
-            heapq.heappop(heap)
-        least = heap[0][1]
-        source = least
-        if previous is not None and previous[0] == file and load[previous[1]] <= load[least] + STICKY_BYTES:
-            source = previous[1]
-        previous = (file, source)
-        load[source] += nbytes
-        heapq.heappush(heap, (load[source], source))
+        source = rule.pick(file)
+        mates = mates_of[machines[source]]  # (the reader's machine reads it, from its page cache)
+        for member in mates:
+            rule.charge(member, nbytes)
         if me == source:
-            others = tuple(m for m in range(len(machines)) if m != source and machines[m] != machines[source])
+            others = tuple(m for m in range(len(machines)) if machines[m] != machines[source])
             if others:
                 share.sends[position] = Transfer(tag, source, others)
-        elif machines[me] != machines[source]:  # (a member of the reader's machine reads it itself)
+        elif machines[me] != machines[source]:
             share.receives[position] = Transfer(tag, source, ())
     return share
