@@ -12,6 +12,8 @@ dedicated; the peers save the same model built all-FSDP2. Methods, interleaved, 
   raw     each rank uploads exactly the bytes of its own dmuon data file with s3fs's
           ``pipe_file`` (multipart, dmuon's part size and concurrency) and downloads them with
           ``cat_file``: what s3fs itself does best for a whole object
+  raw-ranged  the same upload; the download as 16 MiB ranged GETs all in flight at once
+          (``cat_ranges``): the fastest fetch of those bytes this client and server give
   dmuon   dmuon.dcp.save / dmuon.dcp.load with the server's ``storage_options``
   s3tc    s3torchconnector 1.5's DCP ``S3StorageWriter`` / ``S3StorageReader`` (AWS's CRT
           client, its defaults: one writer thread, the DCP-optimised reader), path-style
@@ -39,10 +41,12 @@ import harness
 import save_load
 import torch
 
-METHODS = ("raw", "dmuon", "s3tc", "torch")
-LABELS = {"raw": "raw s3fs pipe_file / cat_file", "dmuon": "dmuon.dcp",
+METHODS = ("raw", "raw-ranged", "dmuon", "s3tc", "torch")
+LABELS = {"raw": "raw s3fs pipe_file / cat_file", "raw-ranged": "raw s3fs ranged GETs, all in flight",
+          "dmuon": "dmuon.dcp",
           "s3tc": "s3torchconnector 1.5 (all FSDP2)", "torch": "torch FsspecWriter (all FSDP2)"}
 TARGETS = (("save", "wall", 1.0), ("save", "cpu", 1.0), ("load", "wall", 0.8))
+RANGE_BYTES = 16 << 20  # raw-ranged's GETs
 S3TC_REGION = "us-east-1"  # SeaweedFS accepts any region; the CRT client wants one
 
 
@@ -94,6 +98,13 @@ def worker(rank, world, n_matrices, options, prefix, methods, repeats, warmup):
         data = fs.cat_file(f"{url.split('://', 1)[1]}/{rank}.bin")
         assert len(data) == share
 
+    def raw_ranged_load(url):
+        starts = list(range(0, share, RANGE_BYTES))
+        path = f"{url.split('://', 1)[1]}/{rank}.bin"
+        parts = fs.cat_ranges([path] * len(starts), starts, [min(share, at + RANGE_BYTES) for at in starts],
+                              batch_size=len(starts))
+        assert sum(len(part) for part in parts) == share
+
     def s3tc_save(url):
         writer, _ = s3tc_io(url, options["endpoint_url"])
         dcp.save(plain_model.state_dict(), storage_writer=writer())
@@ -104,6 +115,7 @@ def worker(rank, world, n_matrices, options, prefix, methods, repeats, warmup):
 
     operations = {
         "raw": (raw_save, raw_load),
+        "raw-ranged": (raw_save, raw_ranged_load),
         "dmuon": (lambda url: ddcp.save(model, None, url, storage_options=options),
                   lambda url: ddcp.load(model, None, url, storage_options=options)),
         "s3tc": (s3tc_save, s3tc_load),
