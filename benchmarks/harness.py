@@ -129,6 +129,13 @@ def cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+def process_cpu_seconds(pid: int) -> float:
+    """User + sys CPU time of another process so far, every thread included (``/proc``)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def measure(fn: Callable[[], Any]) -> dict[str, float]:
     """Run the collective ``fn`` on every rank: wall time barrier to barrier (each rank's; the
     slowest is the job's), CPU time of this rank around the call only."""
@@ -285,6 +292,13 @@ class SeaweedFS:
             self.__exit__()
             raise
         return self
+
+    @property
+    def pid(self) -> int:
+        """The server's process (``weed mini``: every SeaweedFS service in it, one process)."""
+        if self._proc is None:
+            raise RuntimeError("the server is not running")
+        return self._proc.pid
 
     def _wait_ready(self, timeout: float = 90.0) -> None:
         import s3fs

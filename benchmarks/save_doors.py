@@ -21,7 +21,7 @@ every other one dedicated, the rest FSDP2; weights only). In each job:
 
 Wall: barrier to barrier (the slowest rank). CPU: this rank's, summed over the ranks. Ratios
 are paired (the median over rounds of ours / the peer's in the same round). The write path
-(``storage/write_path.py``) each job used is printed: on ext4/XFS it is direct I/O by rule.
+(``storage/write_path.py``) each job used is printed: buffered by rule for these synchronous saves.
 """
 
 from __future__ import annotations
