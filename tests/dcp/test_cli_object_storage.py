@@ -107,6 +107,17 @@ def check_commands(url: str, expected: dict, out: Path, env: dict, args: list[st
     assert_bit_identical(torch.load(out / "flat.pt", weights_only=True), expected)
 
 
+def check_reads(url: str, expected: dict, out: Path, env: dict) -> None:
+    """verify, and export to a local .pt compared with the model: where credentials come from
+    the environment alone. Every command opens its store the same way (options from the flags,
+    the rest left to s3fs or gcsfs), so each command is run in full once per store, with
+    --storage-option (check_commands); a credential source needs only a command that reads it all."""
+    res = dmuon_ckpt("verify", url, env=env)
+    assert res.stdout.startswith(f"OK {url}:") and "checksums match" in res.stdout
+    dmuon_ckpt("export", url, str(out / "flat.pt"), "--format", "torch", env=env)
+    assert_bit_identical(torch.load(out / "flat.pt", weights_only=True), expected)
+
+
 # ---------------------------------------------------------------------------------------------
 # S3
 # ---------------------------------------------------------------------------------------------
@@ -123,7 +134,7 @@ def aws_variables(server) -> dict:
 
 def test_s3_commands_with_aws_environment_variables(s3_server, s3_checkpoint, tmp_path):
     url, expected = s3_checkpoint
-    check_commands(url, expected, tmp_path, clean_env(tmp_path, **aws_variables(s3_server)), [])
+    check_reads(url, expected, tmp_path, clean_env(tmp_path, **aws_variables(s3_server)))
 
 
 def test_s3_commands_with_aws_config_files(s3_server, s3_checkpoint, tmp_path):
@@ -136,10 +147,7 @@ def test_s3_commands_with_aws_config_files(s3_server, s3_checkpoint, tmp_path):
     config.write_text(f"[profile dmuon-test]\nendpoint_url = {opts['endpoint_url']}\nregion = us-east-1\n")
     env = clean_env(tmp_path, AWS_SHARED_CREDENTIALS_FILE=str(credentials), AWS_CONFIG_FILE=str(config),
                     AWS_PROFILE="dmuon-test")
-    res = dmuon_ckpt("verify", url, env=env)
-    assert res.stdout.startswith(f"OK {url}:")
-    dmuon_ckpt("export", url, str(tmp_path / "flat.pt"), "--format", "torch", env=env)
-    assert_bit_identical(torch.load(tmp_path / "flat.pt", weights_only=True), expected)
+    check_reads(url, expected, tmp_path, env)
 
 
 def test_s3_commands_fail_clearly_without_credentials(s3_server, s3_checkpoint, tmp_path):
@@ -165,7 +173,7 @@ def test_gcs_commands_with_storage_options(gcs_server, gcs_checkpoint, tmp_path)
 def test_gcs_commands_with_emulator_environment_variable(gcs_server, gcs_checkpoint, tmp_path):
     url, expected = gcs_checkpoint
     env = clean_env(tmp_path, STORAGE_EMULATOR_HOST=gcs_server.storage_options["endpoint_url"])
-    check_commands(url, expected, tmp_path, env, [])
+    check_reads(url, expected, tmp_path, env)
 
 
 class TokenEndpoint:

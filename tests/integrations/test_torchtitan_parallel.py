@@ -14,7 +14,9 @@ AdamW; torchtitan's own ``CheckpointManager``.
   per rank, each with its own FSDP).
 
 A run stopped after its step-3 checkpoint and resumed in fresh processes gives every loss and
-every final weight of an uninterrupted run bit for bit; a checkpoint loads, weights and optimizer
+every final weight of an uninterrupted run bit for bit (where a test runs the uninterrupted job
+anyway, the resume starts from a copy of the step-3 checkpoint that job wrote: saves are
+synchronous here, so a job stopped after it would have written the same); a checkpoint loads, weights and optimizer
 state exact, into a job of another expert-, data- or pipeline-parallel degree.
 What the Trainer needs on CPU: tests/helpers/titan_cpu.py; the model and data:
 tests/helpers/titan_trainer.py.
@@ -50,14 +52,6 @@ def train(folder, world=4, **kwargs):
     return run_ranks(trainer_job, world, str(folder), timeout=TIMEOUT, **kwargs)
 
 
-def stop_and_resume(folder, **knobs):
-    """Steps 1-3 (the checkpoint at 3, then the job ends), then a fresh job from that checkpoint."""
-    first = train(folder, stop_after=INTERVAL, **knobs)
-    assert sorted(p.name for p in (folder / "checkpoint").iterdir()) == [f"step-{INTERVAL}"]
-    second = train(folder, **knobs)
-    return first, second
-
-
 def resume_from(folder, checkpoint, **knobs):
     """A fresh job, in ``folder``, from a copy of ``checkpoint``'s step-3 checkpoint (see
     ``stopped_at_step3``): (what the stopped job ended with, what the resumed one did)."""
@@ -66,10 +60,24 @@ def resume_from(folder, checkpoint, **knobs):
     return first, train(folder, **knobs)
 
 
+def resume_from_whole(whole_folder, folder, **knobs):
+    """A fresh job in ``folder`` from a copy of the step-3 checkpoint that the uninterrupted run
+    in ``whole_folder`` wrote on its way (synchronously: what a job stopped there would leave)."""
+    step = f"step-{INTERVAL}"
+    shutil.copytree(whole_folder / "checkpoint" / step, folder / "checkpoint" / step)
+    return train(folder, **knobs)
+
+
 def assert_bit_exact(first, second, whole):
     for rank, reference in enumerate(whole):
-        assert first[rank]["step"] == INTERVAL and second[rank]["step"] == STEPS
+        assert first[rank]["step"] == INTERVAL
         assert first[rank]["losses"] == {s: reference["losses"][s] for s in range(1, INTERVAL + 1)}
+    assert_resumed_bit_exact(second, whole)
+
+
+def assert_resumed_bit_exact(second, whole):
+    for rank, reference in enumerate(whole):
+        assert second[rank]["step"] == STEPS
         # the resumed job starts at step 4: it loaded the checkpoint, it did not retrain
         assert second[rank]["losses"] == {s: reference["losses"][s] for s in range(INTERVAL + 1, STEPS + 1)}
         assert_same(second[rank]["weights"], reference["weights"])
@@ -188,8 +196,7 @@ def test_uneven_experts_stop_and_resume_is_bit_exact(tmp_path):
     whole = train(tmp_path / "whole", **knobs)
     held = sorted(result["layouts"]["layers.0.moe.routed_experts.inner_experts.w1_EFD"][2][0] for result in whole)
     assert held == [1, 1, 2, 2]
-    first, second = stop_and_resume(tmp_path / "stopped", **knobs)
-    assert_bit_exact(first, second, whole)
+    assert_resumed_bit_exact(resume_from_whole(tmp_path / "whole", tmp_path / "resumed", **knobs), whole)
 
 
 def load_only(folder, world=4, **knobs):
@@ -219,7 +226,7 @@ def test_checkpoint_without_expert_parallelism_loads_at_ep2(tmp_path, moe_ep1):
 
 
 @pytest.mark.parametrize("knobs, parts", [(PP_1F1B, 1), (PP_INTERLEAVED, 2)], ids=["1F1B", "Interleaved1F1B"])
-def test_pipeline_stop_and_resume_is_bit_exact(tmp_path, stopped_at_step3, knobs, parts):
+def test_pipeline_stop_and_resume_is_bit_exact(tmp_path, knobs, parts):
     whole = train(tmp_path / "whole", **knobs)
     for rank, result in enumerate(whole):
         assert result["parts"] == parts
@@ -231,9 +238,7 @@ def test_pipeline_stop_and_resume_is_bit_exact(tmp_path, stopped_at_step3, knobs
             assert min(result["losses"].values()) > 0
         assert result["weights"].keys() == result["initial"].keys()
         assert_trained(result)
-    checkpoint = stopped_at_step3(knobs["pipeline_parallel_schedule"], **knobs)
-    first, second = resume_from(tmp_path / "stopped", checkpoint, **knobs)
-    assert_bit_exact(first, second, whole)
+    assert_resumed_bit_exact(resume_from_whole(tmp_path / "whole", tmp_path / "resumed", **knobs), whole)
 
 
 def test_pipeline_trains_the_model_data_parallelism_trains(tmp_path):

@@ -5,10 +5,14 @@
 materialised by ``to_empty`` + ``init_weights``, trained with ``dmuon.Muon`` and checkpointed by
 torchtitan's ``CheckpointManager``. A run stopped after its step-3 checkpoint and resumed in
 fresh processes matches an uninterrupted run bit for bit (every loss, every final weight).
+With synchronous saves the stopped job's step-3 checkpoint is the uninterrupted run's (the same
+steps, the same save; ending the job after it changes nothing written): those resumes start from
+a copy of it. The async save, which the end of the job must wait for, is stopped for real.
 What the Trainer needs on CPU beside dmuon: tests/helpers/titan_cpu.py.
 """
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -47,10 +51,24 @@ def stop_and_resume(folder, **kwargs):
     return first, second
 
 
+def resume_from_copy(whole_folder, folder, **kwargs):
+    """A fresh job in ``folder`` from a copy of the step-3 checkpoint an uninterrupted run in
+    ``whole_folder`` wrote (synchronously) on its way."""
+    step = f"step-{INTERVAL}"
+    shutil.copytree(whole_folder / "checkpoint" / step, folder / "checkpoint" / step)
+    return train(folder, **kwargs)
+
+
 def assert_bit_exact(first, second, whole):
     for rank in range(2):
-        assert first[rank]["step"] == INTERVAL and second[rank]["step"] == STEPS
+        assert first[rank]["step"] == INTERVAL
         assert first[rank]["losses"] == {s: whole[rank]["losses"][s] for s in range(1, INTERVAL + 1)}
+    assert_resumed_bit_exact(second, whole)
+
+
+def assert_resumed_bit_exact(second, whole):
+    for rank in range(2):
+        assert second[rank]["step"] == STEPS
         # the resumed job starts at step 4: it loaded the checkpoint, it did not retrain
         assert second[rank]["losses"] == {s: whole[rank]["losses"][s] for s in range(INTERVAL + 1, STEPS + 1)}
         assert second[rank]["weights"].keys() == whole[rank]["weights"].keys()
@@ -59,20 +77,35 @@ def assert_bit_exact(first, second, whole):
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
-    whole = train(tmp_path_factory.mktemp("titan-whole"))
+def uninterrupted_run(tmp_path_factory):
+    """The eager run of all 6 steps: (its folder, with checkpoints at steps 3 and 6, its results)."""
+    folder = tmp_path_factory.mktemp("titan-whole")
+    whole = train(folder)
     for rank in range(2):
         assert whole[rank]["optimizer"] == "MuonOptimizersContainer"
         # the default predicate: every matrix of the two blocks (q, k, v, o, w1, w2, w3)
         assert len(whole[rank]["dedicated"]) == 14
         assert all(fqn.startswith("layers.") for fqn in whole[rank]["dedicated"])
         assert sorted(whole[rank]["losses"]) == list(range(1, STEPS + 1))
-    return whole
+    assert sorted(os.listdir(folder / "checkpoint")) == [f"step-{s}" for s in (INTERVAL, STEPS)]
+    return folder, whole
 
 
-@pytest.mark.parametrize("async_mode", ["disabled", "async"])
-def test_trainer_stop_and_resume_is_bit_exact(tmp_path, uninterrupted, async_mode):
-    first, second = stop_and_resume(tmp_path, async_mode=async_mode)
+@pytest.fixture(scope="module")
+def uninterrupted(uninterrupted_run):
+    return uninterrupted_run[1]
+
+
+def test_trainer_resume_is_bit_exact(tmp_path, uninterrupted_run):
+    folder, whole = uninterrupted_run
+    second = resume_from_copy(folder, tmp_path)
+    assert_resumed_bit_exact(second, whole)
+    assert sorted(os.listdir(tmp_path / "checkpoint")) == [f"step-{s}" for s in (INTERVAL, STEPS)]
+
+
+def test_trainer_stopped_with_an_async_save_in_flight_resumes_bit_exact(tmp_path, uninterrupted):
+    """async_mode "async": the job ends right after its step-3 save began in the background."""
+    first, second = stop_and_resume(tmp_path, async_mode="async")
     assert_bit_exact(first, second, uninterrupted)
     assert sorted(os.listdir(tmp_path / "checkpoint")) == [f"step-{s}" for s in (INTERVAL, STEPS)]
 
@@ -81,9 +114,9 @@ def test_trainer_stop_and_resume_is_bit_exact(tmp_path, uninterrupted, async_mod
 def test_compiled_trainer_stop_and_resume_is_bit_exact(tmp_path, uninterrupted):
     """compile.enable with inductor: torchtitan compiles each block before FSDP wraps it."""
     whole = train(tmp_path / "whole", compile=True)
-    first, second = stop_and_resume(tmp_path / "stopped", compile=True)
-    assert all(result[0]["graphs"] > 0 for result in (whole, first, second))
-    assert_bit_exact(first, second, whole)
+    second = resume_from_copy(tmp_path / "whole", tmp_path / "resumed", compile=True)
+    assert all(result[0]["graphs"] > 0 for result in (whole, second))
+    assert_resumed_bit_exact(second, whole)
     # compiled and eager training agree to float rounding
     for step, loss in uninterrupted[0]["losses"].items():
         assert whole[0]["losses"][step] == pytest.approx(loss, rel=1e-4)
