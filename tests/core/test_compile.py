@@ -8,6 +8,7 @@ must not grow after the first steps (no recompilation per step).
 """
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import pytest
@@ -54,13 +55,9 @@ CASES = [  # (world, replicate, backend, order, bf16)
 # The eager reference of each (world, replicate, bf16), run once for the module: without a
 # backend nothing is compiled, so the order is moot and the cases that share a mesh and a dtype
 # compare against the same 10 eager steps.
-_eager: dict[tuple[int, int, bool], dict] = {}
-
-
+@functools.cache
 def eager_run(world: int, replicate: int, bf16: bool) -> dict:
-    if (world, replicate, bf16) not in _eager:
-        _eager[world, replicate, bf16] = run_ranks(compile_worker, world, replicate, None, "before", bf16)[0]
-    return _eager[world, replicate, bf16]
+    return run_ranks(compile_worker, world, replicate, None, "before", bf16)[0]
 
 
 @pytest.mark.parametrize("world,replicate,backend,order,bf16", CASES)

@@ -1,6 +1,8 @@
 """A tiny training job shared by checkpoint tests: same global batch on every topology."""
 from __future__ import annotations
 
+import functools
+
 import torch
 
 import dmuon
@@ -62,13 +64,9 @@ def resume_worker(rank, world, replicate, phase, save, load):
 # The uninterrupted run of each (world, replicate), kept for the session: it does not use
 # ``save``/``load``, so every resume check of that topology (torch's, dmuon's, torchtitan's
 # entry points, the flat state dicts) compares against the same job's result; one run each.
-_uninterrupted: dict[tuple[int, int], list] = {}
-
-
+@functools.cache
 def uninterrupted(world: int, replicate: int) -> list:
-    if (world, replicate) not in _uninterrupted:
-        _uninterrupted[world, replicate] = run_ranks(resume_worker, world, replicate, "uninterrupted", None, None)
-    return _uninterrupted[world, replicate]
+    return run_ranks(resume_worker, world, replicate, "uninterrupted", None, None)
 
 
 def check_bit_exact_resume(world: int, replicate: int, save, load) -> list:
