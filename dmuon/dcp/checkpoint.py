@@ -24,6 +24,7 @@ from .errors import CheckpointCorruptError, CheckpointIncompleteError, Checkpoin
 from .format.layout import METADATA, RESERVED_KEY, is_manifest_name, rank_of_data_file
 from .format.manifest import FileStats, Manifest, decode_manifest
 from .format.safe_metadata import load_metadata_bytes
+from .format.sharding_index import IndexedStorage, decode_index
 from .format.verified_read import VerifiedReads
 from .storage.base import Store, checked_name
 from .storage.registry import open_store
@@ -111,10 +112,29 @@ def read_commit(store: Store, files: dict[str, int]) -> tuple[bytes, Manifest | 
     return metadata_bytes, None, None
 
 
+def _check_indexed_files(files: dict[str, int], storage: IndexedStorage, manifest: Manifest, where: str) -> None:
+    """What :func:`_check_storage_ranges` checks, per data file of the sharding index: it
+    exists, matches the manifest, and is long enough for the items its class places in it."""
+    for name, end in storage.item_ends().items():
+        size, stats = _checked_file(files, manifest, checked_name(name), "its items", where)
+        bound = stats.sums_at if stats is not None and stats.sums_at is not None else size
+        if end > bound:
+            raise CheckpointCorruptError(
+                f"{where}: the sharding index places items up to byte {end} of {name}, which has {bound} bytes of items"
+            )
+
+
 def open_checkpoint(
-    checkpoint_id: str | os.PathLike, storage_options: dict | None = None, store: Store | None = None
+    checkpoint_id: str | os.PathLike,
+    storage_options: dict | None = None,
+    store: Store | None = None,
+    *,
+    indexed: bool = False,
 ) -> CheckpointListing:
-    """List, verify and decode a checkpoint's metadata (no data file is read)."""
+    """List, verify and decode a checkpoint's metadata (no data file is read). ``indexed``:
+    from the manifest's sharding index where it has one (``format/sharding_index.py``), its
+    chunks and storage computed when asked for, instead of unpickling ``.metadata`` (whose
+    bytes are still checked against the manifest: the commit is the one it describes)."""
     store = store or open_store(checkpoint_id, storage_options)
     files = store.list()
     where = store.url
@@ -127,6 +147,11 @@ def open_checkpoint(
     metadata_bytes, manifest, manifest_file = read_commit(store, files)
     if manifest is None:
         log.warning("%s has no dmuon checksum manifest (not written by dmuon?): loading unverified", where)
+    if indexed and manifest is not None and manifest.index is not None:
+        metadata = decode_index(manifest.index, where)
+        assert isinstance(metadata.storage_data, IndexedStorage)
+        _check_indexed_files(files, metadata.storage_data, manifest, where)
+        return CheckpointListing(store, metadata, manifest, files=files, manifest_file=manifest_file)
     metadata = load_metadata_bytes(metadata_bytes, where)
     _check_storage_ranges(files, metadata, manifest, where)
     return CheckpointListing(store, metadata, manifest, files=files, manifest_file=manifest_file)

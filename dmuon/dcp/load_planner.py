@@ -33,6 +33,7 @@ from ..dedicated_state_dict import dedicated_value_problem
 from .app_state import collect_layout
 from .errors import CheckpointMismatchError
 from .format.layout import MODEL_SECTION, OPTIM_SECTION
+from .format.sharding_index import narrowed
 
 __all__ = ["DMuonLoadPlanner"]
 
@@ -147,7 +148,8 @@ class DMuonLoadPlanner(DefaultLoadPlanner):
                 state.pop(fqn, None)
         # (without a partial load the coordinator refuses it all: nothing of this plan is read)
         fitting = {fqn: value for fqn, value in state.items() if fqn not in problems}
-        plan = create_default_local_load_plan(fitting, self.checkpoint, strict=True)
+        # (over the chunks this rank's tensors overlap: not the world's, where the index says so)
+        plan = create_default_local_load_plan(fitting, narrowed(self.checkpoint, fitting), strict=True)
         return dataclasses.replace(plan, planner_data=_Findings(list(problems.values()), unexplained))
 
     def needs_global_check(self, plan: LoadPlan) -> bool:

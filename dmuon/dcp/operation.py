@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import pickle
 import zlib
+from array import array
 from typing import Any
 
 import torch
@@ -19,7 +20,9 @@ from .. import compat
 from ..optim.muon import Muon
 from .app_state import AppState
 from .checkpoint import CheckpointListing, open_checkpoint
-from .format.layout import EXTRA_SECTION
+from .format.layout import EXTRA_SECTION, METADATA
+from .format.manifest import FileStats, Manifest
+from .format.sharding_index import IndexedStorage, decode_index
 from .gc_pause import paused_gc
 from .metadata_wire import decode_metadata, encode_metadata
 from .storage.registry import open_store
@@ -55,26 +58,64 @@ def open_once(
     of ranks asks of one object-store key at once). A failure there (missing, incomplete,
     corrupt) is raised on every rank with its type.
 
-    What it sends is the decoded ``Metadata`` in a compact form (``metadata_wire.py``: the
-    chunks as columns of integers, compressed), about a sixth of the ``.metadata`` bytes
-    compressed as they are, which it sent before; each rank rebuilds the same ``Metadata``."""
+    What it sends: for a checkpoint with a sharding index (``format/sharding_index.py``) the
+    index, the manifest's scalars and its files' sizes as columns -- a size that does not grow
+    with the ranks but by a few bytes a file -- and each rank decodes the index itself; for
+    one without, the decoded ``Metadata`` in a compact form (``metadata_wire.py``: the chunks
+    as columns of integers, compressed), and each rank rebuilds the same ``Metadata``."""
     if transport.world == 1:
-        return open_checkpoint(checkpoint_id, storage_options)
+        return open_checkpoint(checkpoint_id, storage_options, indexed=True)
     where = os.fspath(checkpoint_id)
 
     def opened() -> bytes:
-        listing = open_checkpoint(checkpoint_id, storage_options)
-        small_files = (encode_metadata(listing.metadata), listing.manifest, listing.files, listing.manifest_file)
+        listing = open_checkpoint(checkpoint_id, storage_options, indexed=True)
+        storage = listing.metadata.storage_data
+        if isinstance(storage, IndexedStorage) and listing.manifest is not None:
+            small_files: tuple = (_INDEXED, *_manifest_columns(listing.manifest, storage.names), listing.manifest_file)
+            small_files += ({name: listing.files[name] for name in (METADATA, listing.manifest_file) if name},)
+        else:
+            small_files = (encode_metadata(listing.metadata), listing.manifest, listing.files, listing.manifest_file)
         # (the file list and the manifest name every data file: one per writing rank, alike
         # but for the rank's number; compressed, they cost a few bytes a file)
         return zlib.compress(pickle.dumps(small_files, protocol=pickle.HIGHEST_PROTOCOL), 1)
 
     payload = transport.decided(opened, 0, f"opening {where}")
-    wire, manifest, files, manifest_file = pickle.loads(zlib.decompress(payload))
+    small_files = pickle.loads(zlib.decompress(payload))
+    store = open_store(checkpoint_id, storage_options)
+    if small_files[0] == _INDEXED:
+        _, scalars, index, others, sizes, sums_at, manifest_file, small = small_files
+        metadata = decode_index(index, where)
+        assert isinstance(metadata.storage_data, IndexedStorage)
+        names = metadata.storage_data.names + others
+        stats = {
+            name: FileStats(n, None, sums_at=at) for name, n, at in zip(names, array("q", sizes), array("q", sums_at))
+        }
+        save_id, checksum, metadata_size, metadata_checksum, version = scalars
+        manifest = Manifest(save_id, checksum, metadata_size, metadata_checksum, stats, version, index)
+        files = {name: entry.size for name, entry in stats.items()} | small
+        return CheckpointListing(store, metadata, manifest, files=files, manifest_file=manifest_file)
+    wire, manifest, files, manifest_file = small_files
     with paused_gc():
         metadata = decode_metadata(wire)
-    store = open_store(checkpoint_id, storage_options)
     return CheckpointListing(store, metadata, manifest, files=files, manifest_file=manifest_file)
+
+
+_INDEXED = "indexed"  # open_once's message for a checkpoint with a sharding index
+
+
+def _manifest_columns(manifest: Manifest, names: list[str]) -> tuple:
+    """A version-4 manifest with a sharding index, its files as columns in the index's order."""
+    order = names + sorted(set(manifest.files) - set(names))
+    stats = [manifest.files[name] for name in order]
+    sizes, sums_at = array("q", (s.size for s in stats)), array("q", (s.sums_at or 0 for s in stats))
+    scalars = (
+        manifest.save_id,
+        manifest.checksum,
+        manifest.metadata_size,
+        manifest.metadata_checksum,
+        manifest.version,
+    )
+    return scalars, manifest.index, order[len(names) :], sizes.tobytes(), sums_at.tobytes()
 
 
 def load_state(model: nn.Module, optimizer: Muon | None, metadata: Metadata) -> tuple[AppState, dict]:

@@ -66,6 +66,7 @@ class Committed:
 
     metadata_bytes: bytes
     files: dict[str, FileStats]
+    index: bytes | None = None  # the manifest's sharding index, as unchanged as the metadata
 
 
 @dataclass(frozen=True)

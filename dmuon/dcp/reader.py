@@ -30,6 +30,7 @@ from .cooperative import assign_readers, cooperative_setting, share_of, stored_d
 from .cooperative_exchange import read_shared
 from .errors import CheckpointCorruptError
 from .format.manifest import ItemChecksums
+from .format.sharding_index import chunk_at
 from .format.tensor_bytes import tensor_memory
 from .group_transport import GroupTransport
 from .host_staging import DeviceUploads
@@ -355,8 +356,7 @@ class _Delivery:
 def _row_range_start(md: TensorStorageMetadata, index: MetadataIndex, req) -> int | None:
     """Where in a stored chunk's data the request's bytes start, if the request is a range of
     whole rows of the chunk (one byte range, read straight into the destination); None else."""
-    offsets = tuple(index.offset or ())
-    chunk = next((c for c in md.chunks if tuple(c.offsets) == offsets), None)
+    chunk = chunk_at(md, index.offset or ())
     if chunk is None:
         return None
     sizes, starts, lengths = tuple(chunk.sizes), tuple(req.storage_offsets), tuple(req.lengths)

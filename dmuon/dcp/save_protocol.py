@@ -139,7 +139,7 @@ def _steady_save(
     with Attempt() as committing:
         if transport.coordinator:  # the previous commit's bytes and files, under this save's id
             committed = cache.reused_commit()
-            writer.commit_bytes(committed.metadata_bytes, committed.files)
+            writer.commit_bytes(committed.metadata_bytes, committed.files, committed.index)
     transport.settle(committing, "committing")
 
 
@@ -174,9 +174,9 @@ def _commit_gathered(
         # (a rank whose write failed says why in the outcome's round)
         if transport.coordinator and not failed and everyone is not None and None not in everyone:
             storage_data, files = split_write_results(r for rank_results in everyone for r in rank_results)
-            data = writer.commit_save(metadata_of(), storage_data, files)
+            data, index = writer.commit_save(metadata_of(), storage_data, files)
             if cache is not None:
-                cache.remember_commit(Committed(data, files))
+                cache.remember_commit(Committed(data, files, index))
     transport.settle(writing if failed else committing, "writing and committing")
     if cache is not None:
         cache.remember_written(_written(results, writer.key_prefixes))

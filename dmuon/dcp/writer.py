@@ -31,6 +31,7 @@ from .format.checksums import CHECKSUMS, HOT_SLICE, WRITE_CHECKSUM, checksum_of
 from .format.file_sums import encode_file_sums
 from .format.layout import MAX_KEY_PREFIXES, METADATA, data_file_name
 from .format.manifest import FileStats, ItemChecksums, Manifest, block_size_for
+from .format.sharding_index import encode_index
 from .format.tensor_bytes import SLICE
 from .format.torch_file import TensorFrames, write_tensor_payload
 from .format.torch_zip import Placement
@@ -312,24 +313,29 @@ class DMuonStorageWriter(StorageWriter):
         storage_data, files = split_write_results(r for rank_results in results for r in rank_results)
         self.commit_save(metadata, storage_data, files)
 
-    def commit_save(self, metadata: Metadata, storage_data: dict, files: dict[str, FileStats]) -> bytes:
+    def commit_save(
+        self, metadata: Metadata, storage_data: dict, files: dict[str, FileStats]
+    ) -> tuple[bytes, bytes | None]:
         """Coordinator: write the manifest and ``.metadata`` of this save, whose items lie
-        where ``storage_data`` says, in ``files`` (``commit.py``); the ``.metadata`` bytes."""
+        where ``storage_data`` says, in ``files`` (``commit.py``); the ``.metadata`` bytes and
+        the sharding index."""
         metadata.version = compat.CURRENT_DCP_VERSION  # what torch's own writers record
         metadata.storage_data = storage_data
         # no URL and no save id (the manifest has it): the bytes stay those of every later save
         # of this layout (plan_cache.Committed); torch's readers fill in a StorageMeta of their own
         metadata.storage_meta = None
         metadata_bytes = pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)
-        self.commit_bytes(metadata_bytes, files)
-        return metadata_bytes
+        index = encode_index(metadata)
+        self.commit_bytes(metadata_bytes, files, index)
+        return metadata_bytes, index
 
-    def commit_bytes(self, metadata_bytes: bytes, files: dict[str, FileStats]) -> None:
-        """Coordinator: :meth:`commit_save` of a ``.metadata`` already pickled."""
+    def commit_bytes(self, metadata_bytes: bytes, files: dict[str, FileStats], index: bytes | None = None) -> None:
+        """Coordinator: :meth:`commit_save` of a ``.metadata`` already pickled (and its
+        sharding index)."""
         if self.phases is not None:
             self.phases.enter("committing")
         checksum = checksum_of(WRITE_CHECKSUM, metadata_bytes)
-        manifest = Manifest(self._commit_id(), WRITE_CHECKSUM, len(metadata_bytes), checksum, files)
+        manifest = Manifest(self._commit_id(), WRITE_CHECKSUM, len(metadata_bytes), checksum, files, index=index)
         commit(self._store(), manifest, metadata_bytes, overwrite=self.overwrite, replaced=self._replaced)
 
     def _commit_id(self) -> str:

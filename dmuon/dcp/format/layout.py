@@ -20,7 +20,9 @@ A dmuon checkpoint is a standard DCP checkpoint, one directory (or object-store 
 ``.dmuon-manifest-<save id>.json``
     every data file's size and where its trailer starts, and the size and checksum of the
     ``.metadata`` bytes, itself checksummed; schema in ``manifest.py`` (earlier versions held
-    every item's checksums here).
+    every item's checksums here). Since issue 43 it also holds the *sharding index*: what
+    ``.metadata`` says, by rules whose size does not grow with the ranks, which dmuon's loads
+    read instead of unpickling ``.metadata`` (``sharding_index.py``).
 ``<one of the above>.tmp-<random>``
     a file being put atomically (written, then renamed or linked into place; the name is the
     store's, ``storage.base.temp_name``).
@@ -83,6 +85,7 @@ __all__ = [
     "node_of_peer_dir",
     "peer_dir_name",
     "rank_of_data_file",
+    "save_id_of_data_file",
     "step_dir_name",
     "step_of_dir",
 ]
@@ -135,6 +138,12 @@ def rank_of_data_file(name: str) -> int | None:
     """The rank that wrote a data file, or None if ``name`` is not one."""
     match = _DATA_FILE.match(name)
     return int(match.group(1)) if match else None
+
+
+def save_id_of_data_file(name: str) -> str | None:
+    """The save id in a data file's name (that of the save that first wrote its layout)."""
+    match = _DATA_FILE.match(name)
+    return match.group(2) if match else None
 
 
 def data_file_of(rank: int, names) -> str:

@@ -10,8 +10,13 @@ trailer starts -- what a save whose layout did not change knows without asking a
 
     {"format": "dmuon-manifest/4", "checksum": "xxh3-64", "save_id": "<hex>",
      "metadata": {"size": <bytes of .metadata>, "checksum": <int>},
-     "files": {"<data file>": {"size": <bytes>, "sums_at": <offset of its trailer>}}}
+     "files": {"<data file>": {"size": <bytes>, "sums_at": <offset of its trailer>}},
+     "index": "<base64 of the sharding index>"}
     crc32c=<8 hex digits of the line above>
+
+``index`` (optional; written since issue 43, ignored by readers that predate it, absent where
+the layout fits no rule) is what ``.metadata`` says, in a form whose size does not grow with the
+ranks (``sharding_index.py``): a load reads it instead of unpickling ``.metadata``.
 
 Version 3::
 
@@ -188,6 +193,7 @@ class Manifest:
     metadata_checksum: int
     files: dict[str, FileStats] = field(default_factory=dict)
     version: str = MANIFEST_V3
+    index: bytes | None = None  # the sharding index (``sharding_index.py``), where the save has one
 
     def describes_metadata(self, metadata_bytes: bytes) -> bool:
         return (
@@ -236,6 +242,8 @@ def encode_manifest(manifest: Manifest) -> bytes:
         "metadata": {"size": manifest.metadata_size, "checksum": manifest.metadata_checksum},
         "files": files,
     }
+    if manifest.index is not None:
+        body["index"] = base64.b64encode(manifest.index).decode("ascii")
     return checked_line(body)
 
 
@@ -305,6 +313,7 @@ def _from_v2_or_later(body: dict) -> Manifest:
         int(body["metadata"]["checksum"]),
         files,
         version,
+        base64.b64decode(body["index"], validate=True) if "index" in body else None,
     )
 
 

@@ -28,7 +28,7 @@ from ... import compat
 from ..errors import CheckpointCorruptError, UnsafeCheckpointError
 from ..gc_pause import paused_gc
 
-__all__ = ["load_metadata_bytes"]
+__all__ = ["load_allowed_pickle", "load_metadata_bytes"]
 
 _ALLOWED_GLOBALS = (
     {
@@ -91,14 +91,21 @@ class _MetadataUnpickler(pickle.Unpickler):
         )
 
 
-def load_metadata_bytes(data: bytes, where: str) -> Metadata:
+def load_allowed_pickle(data: bytes, where: str, what: str) -> object:
+    """Unpickle ``data`` (``what`` of the checkpoint at ``where``) with the allow-list above:
+    :class:`UnsafeCheckpointError` for a name outside it, :class:`CheckpointCorruptError` for
+    bytes that are no pickle."""
     try:
         with paused_gc():
-            metadata = _MetadataUnpickler(io.BytesIO(data)).load()
+            return _MetadataUnpickler(io.BytesIO(data)).load()
     except UnsafeCheckpointError:
         raise
     except Exception as exc:
-        raise CheckpointCorruptError(f"{where}: .metadata cannot be decoded ({exc})") from exc
+        raise CheckpointCorruptError(f"{where}: {what} cannot be decoded ({exc})") from exc
+
+
+def load_metadata_bytes(data: bytes, where: str) -> Metadata:
+    metadata = load_allowed_pickle(data, where, ".metadata")
     if not isinstance(metadata, Metadata):
         raise CheckpointCorruptError(f"{where}: .metadata holds a {type(metadata).__name__}, not DCP Metadata")
     return metadata

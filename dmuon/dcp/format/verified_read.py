@@ -28,6 +28,7 @@ from ..storage.base import ReadAheadStream, Store, checked_name
 from .checksums import CHECKSUMS, HOT_SLICE, checksum_of
 from .file_sums import read_file_sums
 from .manifest import V1_CHECKSUM, FileStats, ItemChecksums, Manifest
+from .sharding_index import chunk_at
 from .torch_file import tensor_from_payload
 
 __all__ = ["VerifiedReads", "verify_stream"]
@@ -182,9 +183,8 @@ class VerifiedReads:
         """One stored chunk as a tensor (a view over the verified bytes where possible)."""
         data = self.read_item(index, stream)
         md = self.metadata.state_dict_metadata.get(index.fqn)
-        offsets = tuple(index.offset or ())
         if isinstance(md, TensorStorageMetadata):
-            chunk = next((c for c in md.chunks if tuple(c.offsets) == offsets), None)
+            chunk = chunk_at(md, index.offset or ())
             if chunk is not None:
                 return tensor_from_payload(data, tuple(chunk.sizes), md.properties.dtype)
         return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
