@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from .. import compat
+from .format.planner_mappings import joined_mappings, split_mappings
 
 __all__ = ["WIRE_FORMAT", "decode_metadata", "encode_metadata"]
 
@@ -76,7 +77,7 @@ def encode_metadata(metadata: Metadata) -> bytes:
             ranges.extend((file, info.offset - ends.get(file, 0), info.length, -1 if hint is None else hint))
             ends[file] = info.offset + info.length
     others = dict(places.values())
-    mappings, planner_rest = _split_mappings(metadata)
+    mappings, planner_rest = split_mappings(metadata)
     body = (
         WIRE_FORMAT,
         list(metadata.state_dict_metadata),
@@ -148,7 +149,7 @@ def decode_metadata(data: bytes) -> Metadata:
     storage.update(others)
     return Metadata(
         state_dict_metadata=state,
-        planner_data=_joined_mappings(keys, mappings, planner_rest),
+        planner_data=joined_mappings(keys, mappings, planner_rest),
         storage_data=None if no_storage else storage,
         storage_meta=storage_meta,
         version=version,
@@ -159,40 +160,3 @@ def _ints(raw: bytes) -> list[int]:
     values = array("q")
     values.frombytes(raw)
     return values.tolist()
-
-
-def _split_mappings(metadata: Metadata) -> tuple[list[Any], Any]:
-    """``planner_data``'s flatten mappings, one per key: the lengths of the key's parts where
-    the mapping is the key split at its dots (each part a string), else the mapping itself (or
-    None: no mapping); and the rest of ``planner_data`` as it is."""
-    planner = metadata.planner_data
-    if not isinstance(planner, dict):
-        return [], planner
-    rest = dict(planner)
-    out: list[Any] = []
-    for fqn in metadata.state_dict_metadata:
-        path = rest.pop(fqn, None)
-        if isinstance(path, tuple) and path and all(isinstance(part, str) for part in path) and ".".join(path) == fqn:
-            out.append(array("H", [len(part) for part in path]).tobytes() if max(map(len, path)) < 1 << 16 else path)
-        else:
-            out.append(path)
-    return out, rest
-
-
-def _joined_mappings(keys: list[str], mappings: list[Any], rest: Any) -> Any:
-    if not isinstance(rest, dict):
-        return rest
-    planner: dict[str, Any] = {}
-    for fqn, mapping in zip(keys, mappings):
-        if isinstance(mapping, bytes):
-            lengths = array("H")
-            lengths.frombytes(mapping)
-            parts, at = [], 0
-            for length in lengths:
-                parts.append(fqn[at : at + length])
-                at += length + 1
-            planner[fqn] = tuple(parts)
-        elif mapping is not None:
-            planner[fqn] = mapping
-    planner.update(rest)
-    return planner

@@ -7,6 +7,8 @@ import io
 import os
 import pickle
 import shutil
+import zlib
+from array import array
 
 import pytest
 import torch
@@ -15,7 +17,8 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 import dmuon.dcp as ddcp
 from dmuon.dcp.checkpoint import open_checkpoint
 from dmuon.dcp.format.checksums import checksum_of
-from dmuon.dcp.format.manifest import ItemChecksums
+from dmuon.dcp.format.layout import data_file_name
+from dmuon.dcp.format.manifest import ItemChecksums, encode_manifest
 from tests.helpers.launch import run_ranks
 from tests.helpers.tamper import as_version_3, manifest_of, rewrite
 from tests.helpers.training import build, train
@@ -69,6 +72,52 @@ def test_metadata_pickle_that_would_run_code(pristine, tmp_path, reliability_rep
     assert all("UnsafeCheckpointError" in e for e in errors)
     assert not marker.exists()
     reliability_report.setdefault("hostile", {})["code_in_metadata"] = "refused, no code ran"
+
+
+def forge_index(target, body_of) -> None:
+    """Rewrite the manifest's sharding index as ``body_of(body)`` says (the manifest vouches)."""
+    name, manifest = manifest_of(target)
+    manifest.index = zlib.compress(pickle.dumps(body_of(pickle.loads(zlib.decompress(manifest.index)))))
+    (target / name).write_bytes(encode_manifest(manifest))
+
+
+def test_a_sharding_index_that_would_run_code(pristine, tmp_path, reliability_report):
+    target = copy(pristine, tmp_path, "evil-index")
+    marker = tmp_path / "PWNED-index"
+    forge_index(target, lambda body: (body[0], RunsCode(marker), *body[2:]))
+    errors = run_ranks(load_worker, 2, str(target))
+    assert all(e is not None and e.startswith("UnsafeCheckpointError:") for e in errors), errors
+    assert not marker.exists()
+    reliability_report.setdefault("hostile", {})["code_in_sharding_index"] = "refused, no code ran"
+
+
+@pytest.mark.parametrize("evil_path", ["../outside.distcp", "/etc/passwd"])
+def test_a_sharding_index_naming_files_outside(pristine, tmp_path, evil_path):
+    target = copy(pristine, tmp_path / "p", "evil-index-path")
+    (tmp_path / "p" / "outside.distcp").write_bytes(b"secret")
+
+    def outside(body):
+        tag, skeleton, specs, name_form, *rest = body
+        names = [data_file_name(r, name_form[1]) for r in array("q", name_form[2])]
+        return tag, skeleton, specs, ("names", [evil_path] + names[1:]), *rest
+
+    forge_index(target, outside)
+    assert all("leaves the checkpoint directory" in e for e in run_ranks(load_worker, 2, str(target)))
+
+
+def test_a_sharding_index_placing_items_past_a_file_end(pristine, tmp_path):
+    target = copy(pristine, tmp_path, "evil-index-offsets")
+
+    def past_the_end(body):
+        columns = body[4]  # per class: its items' keys, gaps and lengths
+        keys, gaps, lengths = columns[0]
+        grown = array("q", lengths)
+        grown[-1] += 10**9
+        return (*body[:4], [(keys, gaps, grown.tobytes()), *columns[1:]], *body[5:])
+
+    forge_index(target, past_the_end)
+    assert all("CheckpointCorruptError" in e and "sharding index places items" in e
+               for e in run_ranks(load_worker, 2, str(target)))
 
 
 @pytest.mark.parametrize("evil_path", ["../outside.distcp", "/etc/passwd", "sub/dir.distcp", ".."])

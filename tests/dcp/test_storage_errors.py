@@ -20,19 +20,22 @@ class ClientOwnError(Exception):
     """What a storage client raises of its own (botocore's errors are not OSErrors)."""
 
 
-def failing_store(exc: BaseException) -> FsspecStore:
+def failing_store(exc: BaseException, monkeypatch) -> FsspecStore:
+    """A store whose client fails with ``exc``. fsspec shares one memory filesystem per
+    process: the failing methods are undone after the test (``monkeypatch``), or every later
+    test of the memory store would fail too."""
     store = FsspecStore("memory://dmuon-storage-errors/ckpt")
 
     def fail(*args, **kwargs):
         raise exc
 
-    store.fs.ls = fail
-    store.fs.cat_file = fail
+    monkeypatch.setattr(store.fs, "ls", fail)
+    monkeypatch.setattr(store.fs, "cat_file", fail)
     return store
 
 
-def test_a_client_error_becomes_a_storage_error_naming_the_url():
-    store = failing_store(ClientOwnError("the server said no"))
+def test_a_client_error_becomes_a_storage_error_naming_the_url(monkeypatch):
+    store = failing_store(ClientOwnError("the server said no"), monkeypatch)
     with pytest.raises(StorageError, match=r"memory://dmuon-storage-errors/ckpt: listing failed: "
                                            r"ClientOwnError: the server said no") as info:
         store.list()
@@ -42,14 +45,14 @@ def test_a_client_error_becomes_a_storage_error_naming_the_url():
 
 
 @pytest.mark.parametrize("exc", [FileNotFoundError("gone"), PermissionError("denied"), OSError(28, "full")])
-def test_the_os_errors_the_store_protocol_gives_meaning_to_pass_as_they_are(exc):
+def test_the_os_errors_the_store_protocol_gives_meaning_to_pass_as_they_are(exc, monkeypatch):
     with pytest.raises(type(exc)) as info:
-        failing_store(exc).read("x")
+        failing_store(exc, monkeypatch).read("x")
     assert type(info.value) is type(exc)
 
 
-def test_a_retried_client_error_says_how_often_it_was_tried():
-    store = failing_store(ClientOwnError("flaky"))
+def test_a_retried_client_error_says_how_often_it_was_tried(monkeypatch):
+    store = failing_store(ClientOwnError("flaky"), monkeypatch)
     store.retry = RetryPolicy(attempts=2, backoff_s=0.0)
     expected = r"reading x failed after 2 attempt\(s\) in 0 s: ClientOwnError: flaky"
     with pytest.raises(StorageError, match=expected) as info:

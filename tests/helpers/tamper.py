@@ -17,10 +17,14 @@ def manifest_of(path: Path):
 
 
 def rewrite(path: Path, metadata_bytes: bytes, files=None) -> None:
-    """Install new .metadata bytes with a manifest that vouches for them."""
+    """Install new .metadata bytes with a manifest that vouches for them. The manifest's
+    sharding index, which dmuon's loads read instead of ``.metadata``, goes (a manifest without
+    one is valid): the loads then read the bytes installed here (hostile indexes have tests of
+    their own)."""
     name, manifest = manifest_of(path)
     (path / METADATA).write_bytes(metadata_bytes)
     manifest.files = files or manifest.files
+    manifest.index = None
     manifest.metadata_size = len(metadata_bytes)
     manifest.metadata_checksum = checksum_of(manifest.checksum, metadata_bytes)
     (path / name).write_bytes(encode_manifest(manifest))

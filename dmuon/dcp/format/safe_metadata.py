@@ -77,6 +77,10 @@ def _enum_member(owner: object, name: object) -> enum.Enum:
 
 
 class _MetadataUnpickler(pickle.Unpickler):
+    def __init__(self, file: io.BytesIO, what: str) -> None:
+        super().__init__(file)
+        self.what = what
+
     def find_class(self, module: str, name: str):
         module, name = _MOVED.get((module, name), (module, name))
         if (module, name) in _ALLOWED_GLOBALS:
@@ -86,7 +90,7 @@ class _MetadataUnpickler(pickle.Unpickler):
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
         raise UnsafeCheckpointError(
-            f".metadata refers to {module}.{name}, which a checkpoint has no reason to contain; "
+            f"{self.what} refers to {module}.{name}, which a checkpoint has no reason to contain; "
             "refusing to unpickle it (it could run code)"
         )
 
@@ -97,7 +101,7 @@ def load_allowed_pickle(data: bytes, where: str, what: str) -> object:
     bytes that are no pickle."""
     try:
         with paused_gc():
-            return _MetadataUnpickler(io.BytesIO(data)).load()
+            return _MetadataUnpickler(io.BytesIO(data), what).load()
     except UnsafeCheckpointError:
         raise
     except Exception as exc:

@@ -48,6 +48,7 @@ from torch.distributed.checkpoint.metadata import (
 from ... import compat
 from ..errors import CheckpointCorruptError
 from .layout import data_file_name, rank_of_data_file, save_id_of_data_file
+from .planner_mappings import joined_mappings, split_mappings
 from .safe_metadata import load_allowed_pickle
 
 __all__ = ["INDEX_FORMAT", "IndexedStorage", "RegularChunks", "chunk_at", "decode_index", "encode_index", "narrowed"]
@@ -145,8 +146,7 @@ class IndexedStorage(Mapping[MetadataIndex, Any]):
         cls = self._file_class[f]
         items = self._class_items.get(cls)
         if items is None:
-            keys, offsets, lengths = (array("q", column) for column in self._classes[cls])
-            items = self._class_items[cls] = {key: (o, n) for key, o, n in zip(keys, offsets, lengths)}
+            items = self._class_items[cls] = {key: (o, n) for key, o, n in _class_items(self._classes[cls])}
         place = items.get(k)
         if place is None:
             raise KeyError(index)
@@ -165,11 +165,32 @@ class IndexedStorage(Mapping[MetadataIndex, Any]):
 
     def item_ends(self) -> dict[str, int]:
         """Per data file, where its last item ends (a file shorter than that is damaged)."""
-        ends = []
-        for _keys, offsets, lengths in self._classes:
-            o, n = array("q", offsets), array("q", lengths)
-            ends.append(max((a + b for a, b in zip(o, n)), default=0))
+        ends = [max((o + n for _, o, n in _class_items(columns)), default=0) for columns in self._classes]
         return {name: ends[cls] for name, cls in zip(self.names, self._file_class)}
+
+
+def _class_items(columns: tuple[bytes, bytes, bytes]) -> Iterator[tuple[int, int, int]]:
+    """A class's items (key number, offset, length) from its columns: the keys, the gap before
+    each item (from the end of the one before: a frame header, mostly alike) and the lengths."""
+    end = 0
+    for key, gap, length in zip(*(array("q", column) for column in columns)):
+        if gap < 0 or length < 0:
+            raise CheckpointCorruptError("the sharding index places an item at a negative gap or length")
+        yield key, end + gap, length
+        end += gap + length
+
+
+def _class_columns(items: tuple[tuple[int, int, int], ...]) -> tuple[bytes, bytes, bytes]:
+    """What :func:`_class_items` reads back: items sorted by offset, as keys, gaps and lengths."""
+    keys, gaps, lengths, end = array("q"), array("q"), array("q"), 0
+    for key, offset, length in items:
+        if offset < end:
+            raise ValueError("overlapping items")
+        keys.append(key)
+        gaps.append(offset - end)
+        lengths.append(length)
+        end = offset + length
+    return keys.tobytes(), gaps.tobytes(), lengths.tobytes()
 
 
 def _rule_of(md: TensorStorageMetadata, file_numbers: list[int]) -> tuple | None:
@@ -221,6 +242,7 @@ def encode_index(metadata: Metadata) -> bytes | None:
     per_file: list[list[tuple[int, int, int]]] = [[] for _ in names]
     entries: dict[str, Any] = {}
     specs: list[tuple] = []
+    properties: list[Any] = []
     for k, (fqn, md) in enumerate(metadata.state_dict_metadata.items()):
         if isinstance(md, BytesStorageMetadata):
             located = [places.pop((fqn, None), None)]
@@ -248,7 +270,10 @@ def encode_index(metadata: Metadata) -> bytes | None:
             continue
         rule = _rule_of(md, files)
         specs.append(rule if rule is not None else (_LISTED, files))
-        entries[fqn] = dataclasses.replace(md, chunks=[] if rule is not None else list(md.chunks))
+        shared = next((p for p in properties if p == md.properties), None)  # pickled once
+        if shared is None:
+            properties.append(shared := md.properties)
+        entries[fqn] = dataclasses.replace(md, properties=shared, chunks=[] if rule is not None else list(md.chunks))
     if places:
         return None  # storage no key claims
     classes: dict[tuple, int] = {}
@@ -256,14 +281,14 @@ def encode_index(metadata: Metadata) -> bytes | None:
     for items in per_file:
         items.sort(key=lambda item: item[1])
         file_class.append(classes.setdefault(tuple(items), len(classes)))
-    columns = [
-        tuple(array("q", column).tobytes() for column in zip(*items)) if items else (b"", b"", b"") for items in classes
-    ]
-    skeleton = Metadata(
-        state_dict_metadata=entries, planner_data=metadata.planner_data, storage_data=None, storage_meta=None
-    )
+    try:
+        columns = [_class_columns(items) for items in classes]
+    except ValueError:
+        return None  # items that overlap in a file
+    mappings, planner_rest = split_mappings(metadata)
+    skeleton = Metadata(state_dict_metadata=entries, planner_data=None, storage_data=None, storage_meta=None)
     skeleton.version = metadata.version
-    body = (INDEX_FORMAT, skeleton, specs, name_form, columns, file_class.tobytes())
+    body = (INDEX_FORMAT, skeleton, specs, name_form, columns, file_class.tobytes(), mappings, planner_rest)
     return zlib.compress(pickle.dumps(body, protocol=pickle.HIGHEST_PROTOCOL), 6)
 
 
@@ -272,7 +297,7 @@ def decode_index(data: bytes, where: str) -> Metadata:
     :class:`CheckpointCorruptError` if the index is not one."""
     try:
         body: Any = load_allowed_pickle(zlib.decompress(data), where, "the sharding index")
-        tag, skeleton, specs, name_form, columns, file_class_bytes = body
+        tag, skeleton, specs, name_form, columns, file_class_bytes, mappings, planner_rest = body
         if tag != INDEX_FORMAT or not isinstance(skeleton, Metadata):
             raise ValueError(tag)
         if name_form[0] == "ranks":
@@ -303,6 +328,7 @@ def decode_index(data: bytes, where: str) -> Metadata:
                     raise ValueError(fqn)
             elif spec[0] != _BYTES or not 0 <= spec[1] < len(names):
                 raise ValueError(fqn)
+        skeleton.planner_data = joined_mappings(list(entries), mappings, planner_rest)
     except CheckpointCorruptError:
         raise
     except (zlib.error, ValueError, TypeError, IndexError, AttributeError) as exc:
