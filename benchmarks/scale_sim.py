@@ -157,7 +157,8 @@ def _phase(world: SimulatedWorld, outcomes: list) -> Phase:
 
 def summarize(phase: Phase, n: int) -> dict[str, Any]:
     row: dict[str, Any] = dict(tally(phase.calls, n))
-    row.update(rank0_cpu=phase.cpu[0], rank_cpu_max=max(phase.cpu), small_files=phase.small_files, **phase.extra)
+    row.update(rank0_cpu=phase.cpu[0], rank_cpu_max=max(phase.cpu), other_cpu_max=max(phase.cpu[1:], default=0.0),
+               small_files=phase.small_files, **phase.extra)
     row["calls"] = [c.kind for c in phase.calls]
     return row
 
@@ -197,7 +198,7 @@ def simulate(models: list[str], meshes: list[str], worlds: list[int], load_max: 
 
 
 NUMERIC = ("rank0_in", "rank0_out", "other_in_max", "other_out_max", "total", "wire_rank0_in", "wire_max_in",
-           "wire_max_out", "rank0_cpu", "rank_cpu_max", "small_bytes")
+           "wire_max_out", "rank0_cpu", "rank_cpu_max", "other_cpu_max", "small_bytes")
 
 
 def extrapolate(rows: list[dict[str, Any]], targets: list[int]) -> list[dict[str, Any]]:
@@ -252,7 +253,7 @@ def tables(rows: list[dict[str, Any]]) -> str:
                 "any rank, wire in / out (ring/tree)", "rank-0 CPU"]
         load = op.startswith("load")
         head += ["small files read (N ranks)"] if load else [".metadata + manifest"]
-        head += ["any rank's CPU"]
+        head += ["any rank's CPU", "any other rank's CPU"]
         lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         for row in sorted((r for r in rows if r["op"] == op), key=lambda r: (r["model"], r["mesh_kind"], r["world"],
                                                                            METHODS.index(r["method"]))):
@@ -264,6 +265,7 @@ def tables(rows: list[dict[str, Any]]) -> str:
                      f"{mark}{_size(row.get('wire_max_in'))} / {_size(row.get('wire_max_out'))}",
                      mark + _secs(row["rank0_cpu"]), mark + _size(small)]
             cells.append(mark + _secs(row.get("rank_cpu_max", math.nan)))
+            cells.append(mark + _secs(row.get("other_cpu_max", math.nan)))
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
