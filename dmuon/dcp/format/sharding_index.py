@@ -60,11 +60,11 @@ _RULE, _LISTED, _BYTES = 0, 1, 2  # how a key's chunks are described
 
 class RegularChunks(Sequence[ChunkStorageMetadata]):
     """A tensor of ``size`` cut along dim 0 every ``rows`` rows into ``count`` chunks (the last
-    ones short or empty), computed when asked for: iterating gives every chunk, as a list
-    would; :meth:`position` and :meth:`overlapping` answer without iterating."""
+    one possibly short; an index keeps no empty chunk), computed when asked for: iterating
+    gives every chunk, as a list would; :meth:`position` and :meth:`overlapping` answer
+    without iterating."""
 
     def __init__(self, size: Sequence[int], rows: int, count: int) -> None:
-        # (an index keeps no empty chunk: ``encode_index``)
         self.size, self.rows, self.n_chunks = tuple(size), rows, count
 
     def __len__(self) -> int:
@@ -115,7 +115,7 @@ class IndexedStorage(Mapping[MetadataIndex, Any]):
     def __init__(self, names: list[str], specs: list[tuple], entries: dict[str, Any], classes, file_class) -> None:
         self.names, self._specs, self._entries = names, specs, entries
         self._keys = {fqn: k for k, fqn in enumerate(entries)}
-        self._classes = classes  # per class: (keys, offsets, lengths) as bytes of array("q")
+        self._classes = classes  # per class: its items' keys, gaps and lengths (``_class_items``)
         self._file_class = file_class
         self._class_items: dict[int, dict[int, tuple[int, int]]] = {}
         self._listed: dict[int, dict[tuple, int]] = {}
