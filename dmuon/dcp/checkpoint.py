@@ -147,7 +147,9 @@ def open_checkpoint(
     metadata_bytes, manifest, manifest_file = read_commit(store, files)
     if manifest is None:
         log.warning("%s has no dmuon checksum manifest (not written by dmuon?): loading unverified", where)
-    if indexed and manifest is not None and manifest.index is not None:
+    # (an index comes with a version-4 manifest, whose files' checksums are in their trailers)
+    with_trailers = manifest is not None and all(stats.sums_at is not None for stats in manifest.files.values())
+    if indexed and manifest is not None and manifest.index is not None and with_trailers:
         metadata = decode_index(manifest.index, where)
         assert isinstance(metadata.storage_data, IndexedStorage)
         _check_indexed_files(files, metadata.storage_data, manifest, where)
