@@ -66,7 +66,7 @@ class SimStore:
     def open_write(self, name: str):
         raise NotImplementedError("the scale simulator writes no data files")
 
-    def open_read(self, name: str) -> BinaryIO:
+    def open_read(self, name: str, size: int | None = None) -> BinaryIO:
         return io.BytesIO(self.read(name))
 
     def read(self, name: str) -> bytes:

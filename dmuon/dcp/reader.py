@@ -192,7 +192,9 @@ class DMuonStorageReader(StorageReader):
 
             def read_file(name=name, ordered=ordered):  # redelivering an item is harmless
                 before = listing.bytes_read
-                with listing.store.open_read(checked_name(name)) as stream, _finishing(uploads):
+                stats = listing.manifest.files.get(name) if listing.manifest is not None else None
+                size = stats.size if stats is not None else None  # (checked against the listing by rank 0)
+                with listing.store.open_read(checked_name(name), size) as stream, _finishing(uploads):
                     if listing.manifest is not None:
                         listing.file_items(name, stream)  # (its trailer first, through this stream)
                     ahead = _ReadAhead(stream, [self.storage_data[index] for index, _ in ordered])
@@ -244,6 +246,9 @@ class _ReadAhead:
         self.stream = stream if isinstance(stream, ReadAheadStream) else None
         self.items = items  # storage infos (offset, length), in file order
         self.told = 0  # items hinted so far
+        # bytes between two items that one hint may cover: none for a file (the kernel reads
+        # what it is told), some for an object store (a request costs more than the bytes)
+        self.gap = getattr(stream, "merge_gap", 0)
 
     def reading(self, k: int) -> None:
         """Item ``k`` is read now: hint every item that starts within the window after it."""
@@ -254,7 +259,7 @@ class _ReadAhead:
         run_start = run_end = None  # the byte range of the current run of items to hint
         while self.told < len(items) and (self.told <= k or items[self.told].offset < horizon):
             item = items[self.told]
-            if run_start is not None and run_end is not None and item.offset - run_end > _HINT_GAP:
+            if run_start is not None and run_end is not None and item.offset - run_end > self.gap:
                 # (the bytes between are not read: not hinted)
                 self.stream.will_need(run_start, run_end - run_start)
                 run_start = None
@@ -267,7 +272,6 @@ class _ReadAhead:
 
 
 READ_AHEAD_BYTES = 64 << 20
-_HINT_GAP = 0  # bytes between two items that one hint may cover: none (a store fetches what it is told)
 
 # Items whose destinations are resolved before any of their bytes is read: bounds what a planner
 # that allocates in resolve_tensor (none of torch's does) holds at once.

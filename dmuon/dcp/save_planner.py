@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import itertools
+import math
 import zlib
 from collections import ChainMap, defaultdict
 from collections.abc import Mapping
@@ -32,7 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem
 
 from .. import __version__, compat
@@ -99,8 +100,41 @@ def _written_by_another_replica(item: WriteItem, value: Any) -> bool:
     return False
 
 
+# A tensor held alike by several ranks, above this size, is written by one of them chosen by a
+# hash of its key (the writes spread); below it, by the lowest holder (one file: see
+# ``DMuonSavePlanner._plans_alike_key``).
+SPREAD_ALIKE_BYTES = 1 << 20
+
+
 def _chunk_key(item: WriteItem) -> tuple:
     return (item.index.fqn, tuple(item.index.offset or ()))
+
+
+def _small_duplicates_to_lowest_rank(all_plans: list[SavePlan]) -> list[SavePlan]:
+    """An object or a small whole tensor that several ranks offer (an ``extra`` entry, a state
+    this planner was not told is held alike) is kept in the lowest of their plans; torch's
+    de-duplication, left to it, spreads such items over the ranks' files, and every rank
+    then reads one file per item at a load (``DMuonSavePlanner._plans_alike_key``)."""
+    first: dict[MetadataIndex, int] = {}
+    for rank, plan in enumerate(all_plans):
+        for item in plan.items:
+            if _small_whole(item):
+                first.setdefault(item.index, rank)
+    return [
+        dataclasses.replace(
+            plan, items=[item for item in plan.items if not _small_whole(item) or first[item.index] == rank]
+        )
+        for rank, plan in enumerate(all_plans)
+    ]
+
+
+def _small_whole(item: WriteItem) -> bool:
+    data = item.tensor_data
+    if data is None:
+        return True  # an object
+    if tuple(data.chunk.sizes) != tuple(data.size):
+        return False
+    return math.prod(data.size) * data.properties.dtype.itemsize <= SPREAD_ALIKE_BYTES
 
 
 class DMuonSavePlanner(DefaultSavePlanner):
@@ -153,13 +187,22 @@ class DMuonSavePlanner(DefaultSavePlanner):
     def _everywhere(self, key: str) -> bool:
         return key in self.everywhere or any(key.startswith(prefix) for prefix, _ in self.everywhere_prefixes)
 
-    def _plans_alike_key(self, key: str, world: int) -> bool:
+    def _plans_alike_key(self, key: str, value: Any, world: int) -> bool:
         """Does this rank plan ``key``, which the ranks holding it hold alike? One of them does,
-        chosen by the key on every rank alike (a hash, so that such keys spread over them)."""
+        chosen on every rank alike: the lowest holder for an object or a small tensor, a hash
+        of the key for a large tensor (so that their writes spread over the holders).
+
+        Every holder reads every such key at a load. Spread over the ranks' files, the small
+        ones (step counts, hyper-parameters) made each rank open one file per key -- on object
+        storage a request for the file's checksums and one per item, in every rank's load, so
+        N x keys requests for the job. Kept in one file (at its head: the writer's order),
+        they are two ranged reads per rank."""
         if key in self.everywhere:
             holders = self.everywhere[key]
         else:
             holders = next(ranks for prefix, ranks in self.everywhere_prefixes if key.startswith(prefix))
+        if not (isinstance(value, torch.Tensor) and value.numel() * value.element_size() > SPREAD_ALIKE_BYTES):
+            return (min(holders) if holders else 0) == self.rank
         choice = zlib.crc32(key.encode())
         return (holders[choice % len(holders)] if holders else choice % world) == self.rank
 
@@ -188,7 +231,7 @@ class DMuonSavePlanner(DefaultSavePlanner):
             k: v
             for k, v in everything.items()
             if (k not in self.layout or self.layout[k].writer == self.rank)
-            and (world == 1 or not self._everywhere(k) or self._plans_alike_key(k, world))
+            and (world == 1 or not self._everywhere(k) or self._plans_alike_key(k, v, world))
         }
         self._held_everywhere = [k for k in everything if self._everywhere(k)]
         compat.set_planner_flat_state(self, mine)
@@ -277,7 +320,7 @@ class DMuonSavePlanner(DefaultSavePlanner):
                 return reused
             all_plans = cache.fill_in(all_plans)
         self._check(all_plans)
-        plans, metadata = super().create_global_plan(all_plans)
+        plans, metadata = super().create_global_plan(_small_duplicates_to_lowest_rank(all_plans))
         mappings = [p.planner_data for p in plans if p.planner_data]
         lookup = ChainMap(*mappings)
         # no rank's dict has every key: merge their orders, the model's own order first

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import math
 import os
 import pickle
 import secrets
@@ -19,7 +20,7 @@ from typing import Any, BinaryIO
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
@@ -73,6 +74,23 @@ def split_write_results(results) -> tuple[dict[MetadataIndex, Any], dict[str, Fi
         else:
             storage_data[result.index] = result.storage_data
     return storage_data, files
+
+
+def _write_order(item: WriteItem) -> int:
+    """Where an item goes in its file: objects first, then small whole tensors, then the rest
+    in plan order. The first two are what every rank reads at a load (hyper-parameters, step
+    counts, ``extra``; the save planner puts them in one rank's file): together at the head of
+    the file, they are one ranged read on object storage, not one per item."""
+    if item.type == WriteItemType.BYTE_IO:
+        return 0
+    data = item.tensor_data
+    if data is not None and tuple(data.chunk.sizes) == tuple(data.size):
+        if math.prod(data.size) * data.properties.dtype.itemsize <= _SMALL_WHOLE_BYTES:
+            return 1
+    return 2
+
+
+_SMALL_WHOLE_BYTES = 64 << 10
 
 
 class _ChecksummingStream:
@@ -279,8 +297,7 @@ class DMuonStorageWriter(StorageWriter):
         results = []
         checksums: dict[int, ItemChecksums] = {}
         frames = TensorFrames()
-        # bytes first (small), then tensors in plan order
-        items = sorted(items, key=lambda item: item.type != WriteItemType.BYTE_IO)
+        items = sorted(items, key=_write_order)
         staging: HostStaging = HostStaging(stage_host_tensors=self.stage_host_tensors)
         with self._store().open_write(name) as raw:
             stream = _ChecksummingStream(raw, WRITE_CHECKSUM)

@@ -6,7 +6,7 @@ import torch.distributed.checkpoint as dcp
 import dmuon.dcp as ddcp
 from dmuon.dcp.checkpoint import open_checkpoint
 from dmuon.dcp.storage.fsspec_store import FsspecStore
-from dmuon.dcp.storage.s3_reader import S3ParallelReader
+from dmuon.dcp.storage.ranged_reader import RangedReader
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # one process, on purpose
 
@@ -18,11 +18,11 @@ class _SmallBlockStore(FsspecStore):
 
     def __init__(self, url, options) -> None:
         super().__init__(url, options)
-        self.streams: list[S3ParallelReader] = []
+        self.streams: list[RangedReader] = []
 
-    def open_read(self, name):
+    def open_read(self, name, size=None):
         path = self._path(name)
-        stream = S3ParallelReader(self.fs, path, self.fs.size(path), block_bytes=BLOCK, concurrency=2)
+        stream = RangedReader(self.fs, path, self.fs.size(path), block_bytes=BLOCK, concurrency=2)
         self.streams.append(stream)
         return stream
 

@@ -87,6 +87,7 @@ class ThrottleProxy(LoopbackProxy):
         self.refused: Counter = Counter()  # prefix -> requests answered with the error
         self.forwarded: Counter = Counter()  # prefix -> requests passed to the server
         self.unknown_targets: list[str] = []  # requests that named no key (charged to "")
+        self.reads: Counter = Counter()  # (method, bucket/key) -> GETs and HEADs passed to the server
         self._buckets: dict[tuple[str, bool], TokenBucket] = {}
         self._uploads: dict[str, str] = {}  # GCS resumable upload id -> its object's key
         self._lock = threading.Lock()
@@ -177,10 +178,14 @@ class ThrottleProxy(LoopbackProxy):
         if key is None:
             self.unknown_targets.append(f"{method.decode()} {target.decode('latin-1')}")
         prefix = self.prefix_of(key or "")
-        if not self._admit(prefix, read=method.upper() in (b"GET", b"HEAD")):
+        read = method.upper() in (b"GET", b"HEAD")
+        if not self._admit(prefix, read=read):
             writer.write(self._refusal())  # a client waiting for 100 Continue gets this instead
             await writer.drain()
             return
+        if read:
+            with self._lock:
+                self.reads[(method.decode().upper(), key or "")] += 1
         if expects_continue:
             writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
             await writer.drain()

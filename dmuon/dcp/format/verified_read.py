@@ -74,7 +74,7 @@ class VerifiedReads:
         if stats.items is None:
             with contextlib.ExitStack() as stack:
                 if stream is None:
-                    stream = stack.enter_context(self.store.open_read(checked_name(name)))
+                    stream = stack.enter_context(self.store.open_read(checked_name(name), stats.size))
                 if isinstance(stream, ReadAheadStream) and stats.sums_at is not None:
                     # (told, a read-ahead stream fetches just the trailer, not blocks around it)
                     stream.will_need(stats.sums_at, stats.size - stats.sums_at)

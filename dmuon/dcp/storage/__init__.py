@@ -11,7 +11,7 @@
 ``write_path``      direct or buffered writes for a filesystem: the rule, logged once
 ``fsspec_store``    ``FsspecStore``: S3, GCS and everything else fsspec reaches
 ``s3_transfer``     S3 writes with several parts in flight (and their throttling retries)
-``s3_reader``       S3 reads with several ranged GETs in flight, ahead of the reader
+``ranged_reader``   S3 and GCS reads: ranged GETs of what the reader will need, several in flight
 ==================  ===========================================================================
 
 Nothing here knows of models, DCP or the checkpoint format. The package itself offers the

@@ -67,10 +67,12 @@ class Store(Protocol):
         The stream may be a :class:`BorrowingStream`."""
         ...
 
-    def open_read(self, name: str) -> BinaryIO:
+    def open_read(self, name: str, size: int | None = None) -> BinaryIO:
         """A seekable binary stream over the file; ``FileNotFoundError`` if there is none.
         Reads are ranged: ``seek`` then ``read``/``readinto`` fetch only those bytes (and
-        whatever read-ahead the backend keeps)."""
+        whatever read-ahead the backend keeps). ``size``: the file's size, where the caller
+        knows it (a checkpoint's manifest does): an object store then need not ask for it,
+        a request per file and rank."""
         ...
 
     def read(self, name: str) -> bytes:

@@ -4,7 +4,8 @@ Object stores make each upload appear whole when it completes, so nothing here f
 this adds over plain fsspec: a conditional create for the commit (S3 ``If-None-Match``, GCS
 ``ifGenerationMatch=0``) with a read-back that recognises one's own retried write, bounded
 client retries on S3, no partial object left by a failed upload, several requests in flight
-per S3 stream (``s3_transfer.py``, ``s3_reader.py``), and large read-ahead elsewhere.
+per S3 stream (``s3_transfer.py``), ranged reads of what is needed on S3 and GCS
+(``ranged_reader.py``), and large read-ahead elsewhere.
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ from typing import Any, BinaryIO, TypeVar, cast
 import fsspec
 
 from .base import checked_name
+from .ranged_reader import RangedReader
 from .retry import DeadlinePassed, RetryPolicy, endpoint_unreachable, exception_chain, storage_errors, throttled
-from .s3_reader import S3ParallelReader
 from .s3_transfer import S3ParallelWriter
 
 __all__ = [
@@ -58,6 +59,7 @@ def _filesystem(url: str, options: dict) -> tuple[Any, str]:
 READ_BLOCK = 32 * 2**20
 _OBJECT_STORES = {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "oss", "r2"}
 _S3 = ("s3", "s3a")
+_GCS = ("gs", "gcs")
 
 
 S3_REQUEST_RETRIES = {"mode": "standard", "max_attempts": 3}
@@ -195,6 +197,9 @@ class FsspecStore:
         self.protocols = set(protocols)
         # s3fs's files send one request at a time; keep several in flight instead
         self.parallel_s3 = bool(self.protocols & set(_S3)) and hasattr(fs, "call_s3")
+        # a reader that fetches only the ranges it is told of: a rank reading a few items of
+        # another rank's file must not fetch the file (gcsfs's own file reads blocks around them)
+        self.ranged_reads = self.parallel_s3 or bool(self.protocols & set(_GCS))
 
     @classmethod
     def _on(cls, fs, root: str, url: str, retry: RetryPolicy) -> FsspecStore:
@@ -264,13 +269,14 @@ class FsspecStore:
             raise
 
     @_client_errors("opening for reading")
-    def open_read(self, name: str) -> BinaryIO:
-        # Items are read in file order: a large read-ahead turns them into a few big GETs
-        # instead of one request per item (gcsfs's default makes hundreds per file).
+    def open_read(self, name: str, size: int | None = None) -> BinaryIO:
+        # On S3 and GCS, ranged GETs of what the reader says it will read, several in flight
+        # (ranged_reader.py); elsewhere a large read-ahead, which turns items read in file
+        # order into a few big requests instead of one per item.
         path = self._path(name)
-        if self.parallel_s3:
-            size = self.fs.size(path)
-            return cast(BinaryIO, S3ParallelReader(self.fs, path, size, retry=self.retry, url=f"{self.url}/{name}"))
+        if self.ranged_reads:
+            size = self.fs.size(path) if size is None else size
+            return cast(BinaryIO, RangedReader(self.fs, path, size, retry=self.retry, url=f"{self.url}/{name}"))
         return self.fs.open(path, "rb", block_size=READ_BLOCK, cache_type="readahead")
 
     @_client_errors("reading")

@@ -115,7 +115,7 @@ class LocalStore:
             return cast(BinaryIO, WriteBehindFile(path))
         return open(path, "wb")
 
-    def open_read(self, name: str) -> BinaryIO:
+    def open_read(self, name: str, size: int | None = None) -> BinaryIO:
         """A data file none of which is in the page cache is read past the cache
         (``direct_read.py``) where writes go past it too (``direct_io=True``): the same rule
         in every process, whether it saved first or not."""

@@ -1,4 +1,4 @@
-"""The parallel S3 streams (dmuon/dcp/storage/s3_transfer.py and s3_reader.py) against real S3 servers over HTTP:
+"""The parallel S3 streams (dmuon/dcp/storage/s3_transfer.py and ranged_reader.py) against real S3 servers over HTTP:
 multipart uploads with several parts in flight, read-ahead with seeks, aborts that leave
 nothing behind. SeaweedFS and Ceph RGW (which enforces S3's 5 MiB minimum part size)."""
 import asyncio
@@ -8,7 +8,7 @@ import random
 import pytest
 
 from dmuon.dcp.storage.fsspec_store import FsspecStore
-from dmuon.dcp.storage.s3_reader import S3ParallelReader
+from dmuon.dcp.storage.ranged_reader import RangedReader
 from dmuon.dcp.storage.s3_transfer import S3_PART_BYTES, PartBody, S3ParallelWriter
 
 PART = 5 << 20  # S3's smallest part
@@ -32,7 +32,7 @@ def test_store_streams_are_the_parallel_ones(s3_store):
         assert isinstance(f, S3ParallelWriter)
         f.write(b"x")
     with s3_store.open_read("a") as f:
-        assert isinstance(f, S3ParallelReader)
+        assert isinstance(f, RangedReader)
         assert f.read() == b"x"
 
 
@@ -50,7 +50,7 @@ def test_multipart_upload_and_read_ahead_round_trip(s3_store):
     assert s3_store.fs.size(path) == len(data)
     assert s3_store.fs.cat_file(path) == data
 
-    with S3ParallelReader(s3_store.fs, path, len(data), block_bytes=PART, concurrency=2) as f:
+    with RangedReader(s3_store.fs, path, len(data), block_bytes=PART, concurrency=2) as f:
         buffer = bytearray(len(data))
         assert f.readinto(buffer) == len(data)
         assert buffer == data
@@ -130,3 +130,21 @@ def test_part_buffers_are_reused_and_the_parts_intact(s3_store):
                 filled.append(f._part)
     assert s3_store.fs.cat_file(path) == data
     assert len(filled) <= 2 + 1  # at most concurrency + 1 buffers for 7 parts
+
+
+@pytest.mark.parametrize("merge_gap, fetched", [(0, 300), (4096, 1200)])
+def test_told_ranges_close_together_are_one_get(s3_store, merge_gap, fetched):
+    """A request costs more than the bytes between two ranges a few KiB apart: ranges told
+    together (the reader's hints) that close are fetched as one (the bytes between dropped);
+    ranges further apart are not. (One GET in flight: the first range is asked for at once,
+    the next two wait, and are merged, or not.)"""
+    data = random.Random(1).randbytes(1 << 20)
+    path = _path(s3_store, "gaps")
+    s3_store.fs.pipe_file(path, data)
+    with RangedReader(s3_store.fs, path, len(data), block_bytes=PART, concurrency=1, merge_gap=merge_gap) as f:
+        for start in (0, 1000, 2000):
+            f.will_need(start, 100)
+        for start in (0, 1000, 2000):
+            f.seek(start)
+            assert f.read(100) == data[start : start + 100]
+        assert f.bytes_fetched == fetched
