@@ -18,7 +18,8 @@ committed for real, into memory (``scale_sim_store.py``) or a temporary director
 Per first save, steady save (the same layout saved again to a new directory by the same job)
 and load: the bytes each collective moves (pickled objects, all-reduced tensors) tallied per
 rank; rank 0's CPU seconds and the largest of any rank's (all of their work in the operation,
-building the synthetic state excluded); ``.metadata`` and manifest bytes; peak memory.
+building the synthetic state excluded); ``.metadata`` and manifest bytes; peak memory; for
+loads, the most data files any rank's plan reads (on object storage, a few requests each).
 
 World sizes above ``--worlds`` are extrapolated (``--extrapolate``) from the two largest
 simulated ones with the growth they show (y ~ N^k). Loads run up to ``--load-max`` ranks (an
@@ -98,14 +99,16 @@ def run_method(method: str, model: Model, n: int, loads: bool, tmp: str) -> dict
     _clear_torch_caches()
     if loads:
         shared: dict = {}
+        files_read: list[int] = []
 
         def load(rank: int, transport: Any) -> None:
             with world.untimed():
                 state = model.state(rank)
-            reader = TorchReader(dirs[0], shared, world.charge)
+            reader = TorchReader(dirs[0], shared, world.charge, files_read)
             dcp.load(state, storage_reader=reader, planner=dcp.DefaultLoadPlanner())
 
         out["load"] = _phase(world, world.run(load))
+        out["load"].extra["files_read_max"] = max(files_read)
         out["load"].small_files = {METADATA: n * os.path.getsize(os.path.join(dirs[0], METADATA))}  # every rank's
     return out
 
@@ -134,15 +137,17 @@ def run_dmuon(model: Model, n: int, loads: bool) -> dict[str, Phase]:
     store = SimStore.at(urls[0])
     for op, cooperative in (("load", None), ("load alone", False)):
         store.bytes_read.clear()
+        files_read: list[int] = []
 
-        def load(rank: int, transport: Any, cooperative: bool | None = cooperative) -> None:
+        def load(rank: int, transport: Any, cooperative: bool | None = cooperative, files_read=files_read) -> None:
             listing = open_once(urls[0], None, transport)
             with world.untimed():
                 state = model.state(rank, layout)
-            reader = DmuonReader(urls[0], listing=listing, cooperative=cooperative)
+            reader = DmuonReader(urls[0], listing=listing, cooperative=cooperative, files_read=files_read)
             run_load(state, reader, ddcp.DMuonLoadPlanner(), transport)
 
         out[op] = _phase(world, world.run(load))
+        out[op].extra["files_read_max"] = max(files_read)
         out[op].small_files = dict(store.bytes_read)
     return out
 
@@ -198,7 +203,7 @@ def simulate(models: list[str], meshes: list[str], worlds: list[int], load_max: 
 
 
 NUMERIC = ("rank0_in", "rank0_out", "other_in_max", "other_out_max", "total", "wire_rank0_in", "wire_max_in",
-           "wire_max_out", "rank0_cpu", "rank_cpu_max", "other_cpu_max", "small_bytes")
+           "wire_max_out", "rank0_cpu", "rank_cpu_max", "other_cpu_max", "small_bytes", "files_read_max")
 
 
 def extrapolate(rows: list[dict[str, Any]], targets: list[int]) -> list[dict[str, Any]]:
@@ -252,7 +257,7 @@ def tables(rows: list[dict[str, Any]]) -> str:
         head = ["model", "mesh", "N", "method", "into rank 0", "out of rank 0 (star)", "any other rank in / out",
                 "any rank, wire in / out (ring/tree)", "rank-0 CPU"]
         load = op.startswith("load")
-        head += ["small files read (N ranks)"] if load else [".metadata + manifest"]
+        head += ["small files read (N ranks)", "data files any rank reads"] if load else [".metadata + manifest"]
         head += ["any rank's CPU", "any other rank's CPU"]
         lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         for row in sorted((r for r in rows if r["op"] == op), key=lambda r: (r["model"], r["mesh_kind"], r["world"],
@@ -264,6 +269,9 @@ def tables(rows: list[dict[str, Any]]) -> str:
                      f"{mark}{_size(row['other_in_max'])} / {_size(row['other_out_max'])}",
                      f"{mark}{_size(row.get('wire_max_in'))} / {_size(row.get('wire_max_out'))}",
                      mark + _secs(row["rank0_cpu"]), mark + _size(small)]
+            if load:
+                files = row.get("files_read_max", math.nan)
+                cells.append("n/a" if math.isnan(files) else f"{mark}{files:,.0f}")
             cells.append(mark + _secs(row.get("rank_cpu_max", math.nan)))
             cells.append(mark + _secs(row.get("other_cpu_max", math.nan)))
             lines.append("| " + " | ".join(cells) + " |")

@@ -29,7 +29,7 @@ from dmuon.dcp.format.checksums import WRITE_CHECKSUM
 from dmuon.dcp.format.file_sums import encode_file_sums
 from dmuon.dcp.format.manifest import FileStats, ItemChecksums, block_size_for
 from dmuon.dcp.reader import DMuonStorageReader
-from dmuon.dcp.writer import FILE_STATS_KEY, DMuonStorageWriter
+from dmuon.dcp.writer import FILE_STATS_KEY, DMuonStorageWriter, write_order
 
 # bytes around a tensor's data in a data file (torch.save framing); and a pickled object's size
 TENSOR_HEAD, TENSOR_TAIL, OBJECT_BYTES = 128, 30, 400
@@ -54,7 +54,7 @@ def dmuon_results(rank: int, plan: SavePlan) -> list[WriteResult]:
     rng = random.Random(rank)
     name = plan.storage_data["file"]
     results, checksums, offset = [], {}, 0
-    items = sorted(plan.items, key=lambda item: item.type != WriteItemType.BYTE_IO)
+    items = sorted(plan.items, key=write_order)
     for item in items:
         data = _item_bytes(item)
         if item.type == WriteItemType.BYTE_IO:
@@ -103,13 +103,29 @@ class DmuonWriter(DMuonStorageWriter):
         return _done(dmuon_results(self.rank, plan) if plan.items else [])
 
 
+def files_of(plan: LoadPlan, storage_data: Any) -> int:
+    """How many data files this rank reads for ``plan`` (the items it does not receive from
+    another rank in a cooperative load): on object storage, a rank's load makes a few
+    requests per file it reads (the file's checksum trailer, its items' ranges)."""
+    share = share_of(plan)
+    received = share.receives if share is not None else {}
+    return len({storage_data[item.storage_index].relative_path
+                for position, item in enumerate(plan.items) if position not in received})
+
+
 class DmuonReader(DMuonStorageReader):
     """dmuon's reader, reading nothing. Where the plan gives this rank a part in a cooperative
     load, the one round that adds before its point-to-point exchange (every rank's reads agreed:
     ``cooperative.read_shared``) is made over the load's transport, or its replica group's; the exchange moves tensor
-    bytes between pairs of ranks, not coordination, and is not simulated."""
+    bytes between pairs of ranks, not coordination, and is not simulated. ``files_read``: each
+    rank's count of the data files its plan reads, appended."""
+
+    def __init__(self, *args: Any, files_read: list[int], **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.files_read = files_read
 
     def read_data(self, plan: LoadPlan, planner: Any) -> Future:
+        self.files_read.append(files_of(plan, self.storage_data))
         share = share_of(plan)
         if share is not None:
             transport = share.replicas or self.transport  # (a replica group's, as the real reader)
@@ -131,9 +147,9 @@ class TorchReader(FileSystemReader):
     copy (``shared``, one per load), each charged the seconds it took (``charge``): what it
     costs each of them, without N copies of it in this process's memory."""
 
-    def __init__(self, path: str, shared: dict, charge: Callable[[float], None]) -> None:
+    def __init__(self, path: str, shared: dict, charge: Callable[[float], None], files_read: list[int]) -> None:
         super().__init__(path)
-        self.shared, self.charge = shared, charge
+        self.shared, self.charge, self.files_read = shared, charge, files_read
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
         if "metadata" in self.shared:
@@ -145,4 +161,5 @@ class TorchReader(FileSystemReader):
         return self.shared["metadata"]
 
     def read_data(self, plan: LoadPlan, planner: Any) -> Future:
+        self.files_read.append(files_of(plan, self.storage_data))
         return _done(None)

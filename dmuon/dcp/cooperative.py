@@ -40,7 +40,7 @@ from __future__ import annotations
 import heapq
 import os
 from collections import defaultdict
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,6 +48,7 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
 
+from .format.layout import rank_of_data_file
 from .transport import Transport
 
 __all__ = [
@@ -179,16 +180,52 @@ class ReaderRule:
     :data:`STICKY_BYTES` more (neighbours then come in one request from one rank). The
     coordinator (any ranks want a region) and each replica group (every member wants it,
     ``replica_reads.py``) both assign through it: the same rule in one place. ``load``: what
-    each rank reads already; a heap of it finds the least loaded of all ranks in O(log R)."""
+    each rank reads already; a heap of it finds the least loaded of all ranks in O(log R).
 
-    def __init__(self, load: list[int]) -> None:
+    ``writers``: the rank (numbered as ``load`` is) that wrote each data file, where one of
+    them did, and ``regions``: every (file, bytes, wanting) the rule will be asked about. Each
+    writer keeps the regions of its own file that it wants, up to its fair share of all the
+    bytes (plus :data:`STICKY_BYTES`), before any balancing: on the topology that saved, each
+    rank then reads its own file and few others (HSDP's replicas wrote their chunks spread
+    over them, so the shares come out as balanced as the save was), where the balance alone,
+    region by region, sent each member to every replica's file -- a request or more per file
+    and member on object storage, as many files as replicas."""
+
+    def __init__(
+        self,
+        load: list[int],
+        writers: Mapping[str, int] | None = None,
+        regions: Iterable[tuple[str, int, Sequence[int] | None]] = (),
+    ) -> None:
         self.load = load
+        self.writers = writers or {}
+        self.reserve = self._reserves(regions) if self.writers else [0] * len(load)
+        for rank, kept in enumerate(self.reserve):
+            load[rank] += kept  # (committed from the start: the balance counts it)
         self._heap = [(nbytes, rank) for rank, nbytes in enumerate(load)]  # stale entries skipped
         heapq.heapify(self._heap)
         self._previous: tuple[str, int] | None = None  # (file, reader) of the region before
 
-    def pick(self, file: str, wanting: Sequence[int] | None = None) -> int:
-        """The reader of the next region, in ``file``, among ``wanting`` (sorted; None: all)."""
+    def _reserves(self, regions: Iterable[tuple[str, int, Sequence[int] | None]]) -> list[int]:
+        owned = [0] * len(self.load)
+        total = sum(self.load)
+        for file, nbytes, wanting in regions:
+            total += nbytes
+            writer = self.writers.get(file)
+            if writer is not None and (wanting is None or writer in wanting):
+                owned[writer] += nbytes
+        fair = total // max(1, len(self.load)) + STICKY_BYTES
+        return [max(0, min(own, fair - self.load[rank])) for rank, own in enumerate(owned)]
+
+    def pick(self, file: str, wanting: Sequence[int] | None = None, nbytes: int = 0) -> int:
+        """The reader of the next region, ``nbytes`` in ``file``, among ``wanting`` (sorted;
+        None: all)."""
+        writer = self.writers.get(file)
+        if writer is not None and 0 < nbytes <= self.reserve[writer] and (wanting is None or writer in wanting):
+            self.reserve[writer] -= nbytes
+            self.load[writer] -= nbytes  # (counted from the start; ``charge`` counts it again)
+            self._previous = (file, writer)
+            return writer
         if wanting is None:
             while self._heap[0][0] != self.load[self._heap[0][1]]:
                 heapq.heappop(self._heap)
@@ -231,10 +268,12 @@ def _assign(requests: list[list[ReadRequest]], machine: Sequence[Hashable]) -> l
         return None
     shares = [RankShare() for _ in requests]
     shared.sort(key=lambda entry: entry[0])
-    rule = ReaderRule(load)
-    for tag, ((file, _, _), nbytes, askers) in enumerate(shared):
-        ranks = sorted({rank for rank, _ in askers})
-        source = rule.pick(file, ranks)
+    job = {rank: rank for rank in range(len(requests))}  # (the coordinator's plans: one per job rank)
+    wanting = [sorted({rank for rank, _ in askers}) for _, _, askers in shared]
+    regions = [(file, nbytes, ranks) for ((file, _, _), nbytes, _), ranks in zip(shared, wanting)]
+    rule = ReaderRule(load, writers_of((file for file, _, _ in regions), job), regions)
+    for tag, (((file, _, _), nbytes, askers), ranks) in enumerate(zip(shared, wanting)):
+        source = rule.pick(file, ranks, nbytes)
         # the reader's machine mates read it themselves, from their page cache (``nodes``)
         mates = {rank for rank in ranks if rank != source and machine[rank] == machine[source]}
         for rank in (source, *mates):
@@ -248,6 +287,19 @@ def _assign(requests: list[list[ReadRequest]], machine: Sequence[Hashable]) -> l
             elif rank != source and rank not in mates:  # (the same region twice on one rank: read twice)
                 shares[rank].receives[position] = transfer
     return shares
+
+
+def writers_of(files: Iterable[str], member_of: Mapping[int, int]) -> dict[str, int]:
+    """For :class:`ReaderRule`: which of the ranks assigned (``member_of``: job rank -> their
+    number in the rule) wrote each of ``files`` (by its name), where one did."""
+    out = {}
+    for file in files:
+        if file not in out:
+            rank = rank_of_data_file(file)
+            member = member_of.get(rank) if rank is not None else None
+            if member is not None:
+                out[file] = member
+    return out
 
 
 def share_of(plan: LoadPlan) -> RankShare | None:

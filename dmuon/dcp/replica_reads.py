@@ -39,7 +39,16 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadPlan
 from torch.distributed.tensor import Replicate
 
-from .cooperative import RankShare, ReaderRule, ReadRequest, Transfer, read_requests, stored_dtypes, with_share
+from .cooperative import (
+    RankShare,
+    ReaderRule,
+    ReadRequest,
+    Transfer,
+    read_requests,
+    stored_dtypes,
+    with_share,
+    writers_of,
+)
 from .transport import Transport, same
 
 __all__ = ["IRREGULAR", "NO_REPLICAS", "ReplicaLayout", "replica_layout", "share_among_replicas"]
@@ -137,7 +146,8 @@ def share_among_replicas(
     if agreed.digest is None or not shared or (node is not None and agreed.machine is not None):
         return plan  # (lists that differ; nothing shared; or one machine, whose page cache serves)
     machines = list(range(replicas.world)) if node is None else replicas.share(node)
-    share = _assigned(shared, replicas.rank, machines)
+    members = {replicas.job_rank(member): member for member in range(replicas.world)}
+    share = _assigned(shared, replicas.rank, machines, writers_of((read[2] for read in shared), members))
     share.replicas = replicas
     return with_share(plan, share)
 
@@ -147,16 +157,17 @@ def _digest(shared: list[ReadRequest]) -> int:
     return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "big") >> 1
 
 
-def _assigned(shared: list[ReadRequest], me: int, machines: list[Any]) -> RankShare:
+def _assigned(shared: list[ReadRequest], me: int, machines: list[Any], writers: dict[str, int]) -> RankShare:
     """Member ``me``'s sends and receives, by the coordinator's rule (``ReaderRule``) over
-    ``shared`` (the same list on every member, in file order); ``machines``: each member's."""
+    ``shared`` (the same list on every member, in file order); ``machines``: each member's;
+    ``writers``: the member that wrote each file, where one did."""
     mates_of: dict[Any, list[int]] = {}
     for member, machine in enumerate(machines):
         mates_of.setdefault(machine, []).append(member)
-    rule = ReaderRule([0] * len(machines))
+    rule = ReaderRule([0] * len(machines), writers, [(file, nbytes, None) for _, nbytes, file, _, _ in shared])
     share = RankShare()
     for tag, (_, nbytes, file, _, position) in enumerate(shared):
-        source = rule.pick(file)
+        source = rule.pick(file, None, nbytes)
         mates = mates_of[machines[source]]  # (the reader's machine reads it, from its page cache)
         for member in mates:
             rule.charge(member, nbytes)

@@ -118,17 +118,21 @@ def _small_duplicates_to_lowest_rank(all_plans: list[SavePlan]) -> list[SavePlan
     first: dict[MetadataIndex, int] = {}
     for rank, plan in enumerate(all_plans):
         for item in plan.items:
-            if _small_whole(item):
+            if read_by_every_rank(item):
                 first.setdefault(item.index, rank)
     return [
         dataclasses.replace(
-            plan, items=[item for item in plan.items if not _small_whole(item) or first[item.index] == rank]
+            plan, items=[item for item in plan.items if not read_by_every_rank(item) or first[item.index] == rank]
         )
         for rank, plan in enumerate(all_plans)
     ]
 
 
-def _small_whole(item: WriteItem) -> bool:
+def read_by_every_rank(item: WriteItem) -> bool:
+    """An object, or a whole tensor of at most :data:`SPREAD_ALIKE_BYTES`: what every rank of
+    a job typically reads at a load (hyper-parameters, step counts, ``extra``). This planner
+    has one rank write all of these (:func:`_small_duplicates_to_lowest_rank`), and the writer
+    puts them at the head of its file (``writer.write_order``)."""
     data = item.tensor_data
     if data is None:
         return True  # an object
@@ -340,4 +344,4 @@ class DMuonSavePlanner(DefaultSavePlanner):
         return super().finish_plan(new_plan)
 
 
-__all__ = ["DMuonSavePlanner", "merge_key_orders"]
+__all__ = ["DMuonSavePlanner", "merge_key_orders", "read_by_every_rank"]

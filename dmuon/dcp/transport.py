@@ -204,6 +204,11 @@ class Transport:
     def barrier(self) -> None:
         raise NotImplementedError
 
+    def job_rank(self, rank: int) -> int:
+        """This transport's ``rank`` as the job numbers it (a replica group's member: its rank
+        in the job; a transport over the whole operation: itself)."""
+        return self._job_rank(rank)
+
     def _job_rank(self, rank: int) -> int:
         """How errors name this transport's ``rank``: as the job does, where the transport
         is part of an operation (``spans_operation`` False), else as the transport does."""

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import io
-import math
 import os
 import pickle
 import secrets
@@ -38,6 +37,7 @@ from .format.torch_file import TensorFrames, write_tensor_payload
 from .format.torch_zip import Placement
 from .host_staging import HostStaging
 from .rank_failure import Phases
+from .save_planner import read_by_every_rank
 from .storage.base import BorrowingStream, Store
 from .storage.local import LocalStore
 from .storage.registry import open_store
@@ -76,21 +76,15 @@ def split_write_results(results) -> tuple[dict[MetadataIndex, Any], dict[str, Fi
     return storage_data, files
 
 
-def _write_order(item: WriteItem) -> int:
-    """Where an item goes in its file: objects first, then small whole tensors, then the rest
-    in plan order. The first two are what every rank reads at a load (hyper-parameters, step
-    counts, ``extra``; the save planner puts them in one rank's file): together at the head of
-    the file, they are one ranged read on object storage, not one per item."""
+def write_order(item: WriteItem) -> int:
+    """Where an item goes in its file: objects first, then the small whole tensors, then the
+    rest in plan order. The first two are what every rank reads at a load
+    (``save_planner.read_by_every_rank``; dmuon's planner has one rank write them all):
+    together at the head of the file, they are one ranged read on object storage, not one
+    per item."""
     if item.type == WriteItemType.BYTE_IO:
         return 0
-    data = item.tensor_data
-    if data is not None and tuple(data.chunk.sizes) == tuple(data.size):
-        if math.prod(data.size) * data.properties.dtype.itemsize <= _SMALL_WHOLE_BYTES:
-            return 1
-    return 2
-
-
-_SMALL_WHOLE_BYTES = 64 << 10
+    return 1 if read_by_every_rank(item) else 2
 
 
 class _ChecksummingStream:
@@ -297,7 +291,7 @@ class DMuonStorageWriter(StorageWriter):
         results = []
         checksums: dict[int, ItemChecksums] = {}
         frames = TensorFrames()
-        items = sorted(items, key=_write_order)
+        items = sorted(items, key=write_order)
         staging: HostStaging = HostStaging(stage_host_tensors=self.stage_host_tensors)
         with self._store().open_write(name) as raw:
             stream = _ChecksummingStream(raw, WRITE_CHECKSUM)

@@ -22,9 +22,9 @@ def shared_list(count=40, size=3 << 20, files=3):
     return sorted(reads, key=lambda read: (read[2], read[3], read[0]))
 
 
-def check_fits(reads, machines):
+def check_fits(reads, machines, writers=None):
     members = range(len(machines))
-    parts = [_assigned(reads, me, machines) for me in members]
+    parts = [_assigned(reads, me, machines, writers or {}) for me in members]
     sources = {}
     for me, part in enumerate(parts):
         for position, transfer in part.sends.items():
@@ -54,8 +54,27 @@ def test_every_receive_has_its_send_between_every_pair():
 
 def test_members_of_one_machine_read_for_themselves():
     check_fits(shared_list(), [7, 7, 9, 9])  # two machines of two members
-    parts = [_assigned(shared_list(), me, [5, 5]) for me in range(2)]
+    parts = [_assigned(shared_list(), me, [5, 5], {}) for me in range(2)]
     assert all(not part.sends and not part.receives for part in parts)  # one machine: no exchange
+
+
+def test_each_member_reads_the_file_it_wrote_while_balanced():
+    """On the topology that saved, each member wrote a share of the chunks (spread over the
+    replicas) into its own file: it reads that file, and no other member's (a request or more
+    per file on object storage), as long as the shares stay within the sticky allowance."""
+    reads = shared_list(count=40, files=4)  # 10 regions of 3 MiB in each member's file
+    writers = {f"__{member}_0.distcp": member for member in range(4)}
+    parts = [_assigned(reads, me, [0, 1, 2, 3], writers) for me in range(4)]
+    file_of = {read[4]: read[2] for read in reads}  # plan position -> file
+    for me, part in enumerate(parts):
+        files = {file_of[position] for position in part.sends}
+        assert files == {f"__{me}_0.distcp"}, (me, files)
+    check_fits(reads, [0, 1, 2, 3], writers)
+
+    # one member's file holds most of the bytes: past the allowance the others take its regions
+    lopsided = shared_list(count=40, files=1)  # all 120 MiB in member 0's file
+    read_by = check_fits(lopsided, [0, 1, 2, 3], {"__0_0.distcp": 0})
+    assert max(read_by.values()) - min(read_by.values()) <= STICKY_BYTES + lopsided[0][1], read_by
 
 
 @dataclass
