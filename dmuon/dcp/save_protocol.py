@@ -35,7 +35,7 @@ bytes durable (the writer's file is closed, and fsynced on a local disk, before 
 part in step 3). A failure on any rank, at any step, is raised on every rank as one dmuon error
 naming every failed rank and its problem (gathered on that path only: ``transport.py``), and
 nothing is committed. The rounds run over a :class:`~.transport.Transport`: torch's process
-group in a job, N simulated ranks in the scale simulator (``benchmarks/scale_sim.py``).
+group in a job, N simulated ranks in the scale simulator (``benchmarks/scale/scale_sim.py``).
 """
 
 from __future__ import annotations

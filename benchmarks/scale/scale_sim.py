@@ -1,8 +1,8 @@
 """Scale simulator: what checkpoint coordination costs at 64 to 16,384 ranks, in one process.
 
-    python benchmarks/scale_sim.py [--models 8b 70b] [--meshes fsdp hsdp] [--worlds 64 256]
-                                   [--extrapolate 1024 4096 16384] [--load-max 1024] [--json PATH]
-    python benchmarks/scale_sim.py --check-real [--real-worlds 8 32]
+    python benchmarks/scale sim [--models 8b 70b] [--meshes fsdp hsdp] [--worlds 64 256]
+                                [--extrapolate 1024 4096 16384] [--load-max 1024] [--json PATH]
+    python benchmarks/scale sim --check-real [--real-worlds 8 32]
 
 For each model (Llama-like 8B and 70B: ``scale_sim_state.SPECS``, Muon on the hidden 2-D
 weights, which dmuon dedicates), mesh (FSDP2 1-D, or HSDP with shard groups of 8) and world
@@ -43,8 +43,10 @@ import tempfile
 import time
 from typing import Any
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_HERE = os.path.dirname(os.path.abspath(__file__))
+for _path in (os.path.dirname(os.path.dirname(_HERE)), os.path.dirname(_HERE), _HERE):  # repo, benchmarks, here
+    if _path not in sys.path:
+        sys.path.insert(0, _path)
 
 import torch.distributed.checkpoint as dcp
 from scale_sim_stand_ins import DmuonReader, DmuonWriter, TorchReader, TorchWriter
@@ -278,7 +280,7 @@ def tables(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=["8b", "70b"], choices=sorted(SPECS))
     parser.add_argument("--meshes", nargs="+", default=["fsdp", "hsdp"], choices=["fsdp", "hsdp"])
@@ -290,7 +292,7 @@ def main() -> None:
     parser.add_argument("--from-json", help="table the measured rows of an earlier --json (several: merge them)")
     parser.add_argument("--check-real", action="store_true", help="compare with real gloo ranks (tiny model)")
     parser.add_argument("--real-worlds", nargs="+", type=int, default=[8, 32])
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.check_real:
         from scale_sim_real import check_real
 

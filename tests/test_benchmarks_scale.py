@@ -1,10 +1,11 @@
-"""The scale simulator (benchmarks/scale_sim.py) runs at a tiny N and counts sanely, so that CI
+"""The scale tools (benchmarks/scale/): the simulator runs at a tiny N and counts sanely, so that CI
 keeps it working while the code it measures changes; its simulated world runs real SPMD code
 (dmuon's rounds, torch's dcp.save) and says so when the ranks part ways."""
 
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 
 import pytest
@@ -12,7 +13,9 @@ import torch
 
 pytest.importorskip("greenlet")  # (the simulator's ranks; installed with the test extra on 3.11)
 BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+SCALE = os.path.join(BENCHMARKS, "scale")
 sys.path.insert(0, BENCHMARKS)
+sys.path.insert(0, SCALE)
 
 import scale_sim  # noqa: E402
 from scale_sim_state import SPECS, Call, Mesh, Model, ShardStub, tally  # noqa: E402
@@ -156,3 +159,22 @@ def test_the_world_runs_spmd_code_and_names_a_divergence():
     assert [o.value for o in outcomes] == [60] * 4 and [c.kind for c in world.calls] == ["all_gather", "broadcast"]
     with pytest.raises(SimulatorGap, match="different collectives"):
         world.run(lambda rank, transport: transport.barrier() if rank else transport.share(rank))
+
+
+def _run_tool(*args: str) -> str:
+    done = subprocess.run([sys.executable, SCALE, *args], capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    return done.stdout
+
+
+def test_the_scale_tools_run_from_their_one_command():
+    """``python benchmarks/scale sim|real``, as docs/performance.md gives them: each runs a tiny
+    case to its end and prints its table."""
+    sim = _run_tool("sim", "--models", "tiny", "--meshes", "fsdp", "--worlds", "8", "16", "--extrapolate",
+                    "--load-max", "16", "--methods", "dmuon")
+    load_rows = [line for line in sim.splitlines() if line.startswith("| tiny | FSDP2 | 16 | dmuon")]
+    assert len(load_rows) == 4, sim  # first save, steady save, load, load alone
+    real = _run_tool("real", "--tensors", "100", "--worlds", "2", "--saves", "1")
+    assert "dmuon / torch: last save" in real, real
+    usage = subprocess.run([sys.executable, SCALE], capture_output=True, text=True, timeout=60)
+    assert usage.returncode == 2 and "python benchmarks/scale sim" in usage.stdout, usage

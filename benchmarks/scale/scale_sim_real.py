@@ -1,4 +1,4 @@
-"""The scale simulator checked against real gloo ranks (``scale_sim.py --check-real``).
+"""The scale simulator checked against real gloo ranks (``python benchmarks/scale sim --check-real``).
 
 The tiny model of ``scale_sim_state.SPECS`` is built for real on 8 and 32 CPU ranks: dmuon's
 (Muon weights dedicated, the rest FSDP2, saved twice by a ``Checkpointer``, then loaded twice:

@@ -1,6 +1,6 @@
 """How checkpoint cost grows with the number of tensors and ranks: dmuon against torch DCP.
 
-    python benchmarks/scale.py [--tensors 2000 10000] [--worlds 8 16] [--saves 2] [--nodes]
+    python benchmarks/scale real [--tensors 2000 10000] [--worlds 8 16] [--saves 2] [--nodes]
                                [--peer-gc-paused] [--profile DIR] [--root DIR] [--json PATH]
 
 The model: ``--tensors`` small fp32 matrices (32x32, 4 KiB each: the cost here is per item, not
@@ -46,8 +46,10 @@ import tempfile
 import time
 from collections import defaultdict
 
-REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.dirname(HERE))  # (benchmarks/: the harness; run directly under torchrun)
 
 import torch  # noqa: E402
 from harness import cpu_seconds  # noqa: E402
