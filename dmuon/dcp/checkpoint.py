@@ -14,7 +14,7 @@ import dataclasses
 import logging
 import os
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 class CheckpointListing(VerifiedReads):
     """A committed checkpoint: its files, verified metadata and manifest; reads verified items."""
 
-    files: dict[str, int] = dataclasses.field(default_factory=dict)
+    files: Mapping[str, int] = dataclasses.field(default_factory=dict)
     manifest_file: str | None = None
 
     def planner_info(self) -> dict:

@@ -10,6 +10,7 @@ import os
 import pickle
 import zlib
 from array import array
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -20,9 +21,10 @@ from .. import compat
 from ..optim.muon import Muon
 from .app_state import AppState
 from .checkpoint import CheckpointListing, open_checkpoint
+from .errors import CheckpointCorruptError
 from .format.layout import EXTRA_SECTION, METADATA
 from .format.manifest import FileStats, Manifest
-from .format.sharding_index import IndexedStorage, decode_index
+from .format.sharding_index import IndexedStorage, RankFileNames, decode_index
 from .gc_pause import paused_gc
 from .metadata_wire import decode_metadata, encode_metadata
 from .storage.registry import open_store
@@ -90,14 +92,10 @@ def open_once(
         _, scalars, index, others, sizes, sums_at, manifest_file, small = small_files
         metadata = decode_index(index, where)
         assert isinstance(metadata.storage_data, IndexedStorage)
-        names = metadata.storage_data.names + others
-        stats = {
-            name: FileStats(n, None, sums_at=at) for name, n, at in zip(names, array("q", sizes), array("q", sums_at))
-        }
+        stats = FileColumns(metadata.storage_data.names, others, sizes, sums_at)
         save_id, checksum, metadata_size, metadata_checksum, version = scalars
         manifest = Manifest(save_id, checksum, metadata_size, metadata_checksum, stats, version, index)
-        files = {name: entry.size for name, entry in stats.items()} | small
-        return CheckpointListing(store, metadata, manifest, files=files, manifest_file=manifest_file)
+        return CheckpointListing(store, metadata, manifest, files=FileSizes(stats, small), manifest_file=manifest_file)
     wire, manifest, files, manifest_file = small_files
     with paused_gc():
         metadata = decode_metadata(wire)
@@ -107,9 +105,73 @@ def open_once(
 _INDEXED = "indexed"  # open_once's message for a checkpoint with a sharding index
 
 
-def _manifest_columns(manifest: Manifest, names: list[str]) -> tuple:
+class FileColumns(Mapping[str, FileStats]):
+    """A manifest's data files on a rank that did not read the manifest: the sizes and trailer
+    offsets rank 0 sent as columns, in the index's file order (``others``: files the index does
+    not name, after them). A file's ``FileStats`` is made when first asked for, and kept (a
+    reader fills in its items): a rank's load asks for the two or three files it reads, and
+    its cost does not grow with the N files of the job."""
+
+    def __init__(self, names: Sequence[str], others: list[str], sizes: bytes, sums_at: bytes) -> None:
+        self._names, self._others = names, others
+        self._other_positions = {name: len(names) + k for k, name in enumerate(others)}
+        self._sizes, self._sums_at = array("q", sizes), array("q", sums_at)
+        if len(self._sizes) != len(self) or len(self._sums_at) != len(self):
+            raise CheckpointCorruptError("open_once: the manifest's file columns do not match its files")
+        self._positions: dict[str, int] | None = None  # (names given as a list: a table, made once)
+        self._made: dict[str, FileStats] = {}
+
+    def _position(self, name: str) -> int | None:
+        position = self._other_positions.get(name)
+        if position is not None:
+            return position
+        if isinstance(self._names, RankFileNames):
+            return self._names.position(name)
+        if self._positions is None:
+            self._positions = {known: k for k, known in enumerate(self._names)}
+        return self._positions.get(name)
+
+    def __getitem__(self, name: str) -> FileStats:
+        stats = self._made.get(name)
+        if stats is None:
+            position = self._position(name) if isinstance(name, str) else None
+            if position is None:
+                raise KeyError(name)
+            stats = self._made[name] = FileStats(self._sizes[position], None, sums_at=self._sums_at[position])
+        return stats
+
+    def __iter__(self) -> Iterator[str]:
+        yield from self._names
+        yield from self._others
+
+    def __len__(self) -> int:
+        return len(self._names) + len(self._others)
+
+
+class FileSizes(Mapping[str, int]):
+    """A listing's files on such a rank: the data files' sizes from :class:`FileColumns`, and
+    the small files' (``small``)."""
+
+    def __init__(self, data_files: FileColumns, small: dict[str, int]) -> None:
+        self._data_files, self._small = data_files, small
+
+    def __getitem__(self, name: str) -> int:
+        if name in self._small:
+            return self._small[name]
+        return self._data_files[name].size
+
+    def __iter__(self) -> Iterator[str]:
+        yield from self._data_files
+        yield from (name for name in self._small if name not in self._data_files)
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+
+def _manifest_columns(manifest: Manifest, names: Sequence[str]) -> tuple:
     """A version-4 manifest with a sharding index, its files as columns in the index's order."""
-    order = names + sorted(set(manifest.files) - set(names))
+    order = list(names)
+    order += sorted(set(manifest.files) - set(order))
     stats = [manifest.files[name] for name in order]
     sizes, sums_at = array("q", (s.size for s in stats)), array("q", (s.sums_at or 0 for s in stats))
     scalars = (

@@ -191,7 +191,7 @@ class Manifest:
     checksum: str  # a key of checksums.CHECKSUMS
     metadata_size: int
     metadata_checksum: int
-    files: dict[str, FileStats] = field(default_factory=dict)
+    files: Mapping[str, FileStats] = field(default_factory=dict)
     version: str = MANIFEST_V3
     index: bytes | None = None  # the sharding index (``sharding_index.py``), where the save has one
 

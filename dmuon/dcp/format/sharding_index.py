@@ -34,7 +34,7 @@ import pickle
 import zlib
 from array import array
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any, cast
+from typing import Any, cast, overload
 
 import torch
 from torch.distributed.checkpoint.metadata import (
@@ -108,11 +108,54 @@ def chunk_at(md: TensorStorageMetadata, offsets: Sequence[int]) -> ChunkStorageM
     return next((c for c in md.chunks if tuple(c.offsets) == offsets), None)
 
 
+class RankFileNames(Sequence[str]):
+    """The data files' names of an index that names them by rank (``layout.data_file_name`` of
+    one save id): each name made when asked for, so that a rank whose load reads two files
+    does not spell out all N (nor build N strings and a table of them)."""
+
+    def __init__(self, save_id: str, ranks: array) -> None:
+        self.save_id, self._ranks = save_id, ranks
+        self._made: dict[int, str] = {}
+        self._numbers: dict[int, int] | None = None  # rank -> position, where ranks are out of order
+
+    def __len__(self) -> int:
+        return len(self._ranks)
+
+    @overload
+    def __getitem__(self, f: int) -> str: ...
+
+    @overload
+    def __getitem__(self, f: slice) -> list[str]: ...
+
+    def __getitem__(self, f: int | slice) -> str | list[str]:
+        if isinstance(f, slice):
+            return [self[k] for k in range(*f.indices(len(self)))]
+        name = self._made.get(f)
+        if name is None:
+            name = self._made[f] = data_file_name(self._ranks[f], self.save_id)  # (IndexError past the end)
+        return name
+
+    def position(self, name: str) -> int | None:
+        """Where ``name`` is in the table, or None."""
+        if save_id_of_data_file(name) != self.save_id:
+            return None
+        rank = rank_of_data_file(name)
+        if rank is None:
+            return None
+        if 0 <= rank < len(self._ranks) and self._ranks[rank] == rank:  # (in rank order, as dmuon writes them)
+            f: int | None = rank
+        else:
+            if self._numbers is None:
+                self._numbers = {r: k for k, r in enumerate(self._ranks)}
+            f = self._numbers.get(rank)
+        return f if f is not None and self[f] == name else None
+
+
 class IndexedStorage(Mapping[MetadataIndex, Any]):
     """``Metadata.storage_data`` of an indexed checkpoint: a chunk's file from its key's rule
     or list, its offset and length from its file's class."""
 
-    def __init__(self, names: list[str], specs: list[tuple], entries: dict[str, Any], classes, file_class) -> None:
+    def __init__(self, names: Sequence[str], specs: list[tuple], entries: dict[str, Any], classes, file_class) -> None:
         self.names, self._specs, self._entries = names, specs, entries
         self._keys = {fqn: k for k, fqn in enumerate(entries)}
         self._classes = classes  # per class: its items' keys, gaps and lengths (``_class_items``)
@@ -300,8 +343,9 @@ def decode_index(data: bytes, where: str) -> Metadata:
         tag, skeleton, specs, name_form, columns, file_class_bytes, mappings, planner_rest = body
         if tag != INDEX_FORMAT or not isinstance(skeleton, Metadata):
             raise ValueError(tag)
+        names: Sequence[str]
         if name_form[0] == "ranks":
-            names = [data_file_name(r, name_form[1]) for r in array("q", name_form[2])]
+            names = RankFileNames(name_form[1], array("q", name_form[2]))
         elif name_form[0] == "names":
             names = list(name_form[1])
         else:

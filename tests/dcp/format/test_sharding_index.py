@@ -5,6 +5,7 @@ rank that plans over it sees only the chunks its tensors overlap."""
 from __future__ import annotations
 
 import math
+from array import array
 import pickle
 import zlib
 
@@ -23,7 +24,14 @@ from dmuon import compat
 from dmuon.dcp.checkpoint import open_checkpoint
 from dmuon.dcp.errors import CheckpointCorruptError, UnsafeCheckpointError
 from dmuon.dcp.format.layout import data_file_name
-from dmuon.dcp.format.sharding_index import RegularChunks, chunk_at, decode_index, encode_index, narrowed
+from dmuon.dcp.format.sharding_index import (
+    RankFileNames,
+    RegularChunks,
+    chunk_at,
+    decode_index,
+    encode_index,
+    narrowed,
+)
 from dmuon.dcp.metadata_wire import encode_metadata
 from tests.helpers.launch import run_ranks
 from tests.helpers.training import build, train
@@ -178,3 +186,21 @@ def test_a_dmuon_save_writes_an_index_equal_to_its_metadata(tmp_path, replicate)
     indexed = open_checkpoint(str(tmp_path), indexed=True)
     assert full.manifest.index is not None
     assert_same_checkpoint(indexed.metadata, full.metadata)
+
+
+def test_file_names_by_rank_are_made_when_asked_for():
+    """An index that names its files by rank gives each name, and each name's place, without a
+    list of all N names: a rank's load asks for the few files it reads."""
+    names = RankFileNames("0123abcd", array("q", range(16384)))
+    assert len(names) == 16384 and names._made == {}
+    assert names[5] == data_file_name(5, "0123abcd") and names[-1] == data_file_name(16383, "0123abcd")
+    assert names.position(data_file_name(7, "0123abcd")) == 7
+    assert names.position(data_file_name(7, "ffff0000")) is None  # another save's file
+    assert names.position(data_file_name(16384, "0123abcd")) is None and names.position(".metadata") is None
+    assert len(names._made) == 3
+    with pytest.raises(IndexError):
+        names[16384]
+    shuffled = RankFileNames("0123abcd", array("q", [2, 0, 1]))
+    assert list(shuffled) == [data_file_name(r, "0123abcd") for r in (2, 0, 1)]
+    assert [shuffled.position(data_file_name(r, "0123abcd")) for r in range(3)] == [1, 2, 0]
+    assert shuffled[1:] == [data_file_name(0, "0123abcd"), data_file_name(1, "0123abcd")]
