@@ -22,9 +22,9 @@ from ..optim.muon import Muon
 from .app_state import AppState
 from .checkpoint import CheckpointListing, open_checkpoint
 from .errors import CheckpointCorruptError
-from .format.layout import EXTRA_SECTION, METADATA
+from .format.layout import EXTRA_SECTION, METADATA, RankFileNames
 from .format.manifest import FileStats, Manifest
-from .format.sharding_index import IndexedStorage, RankFileNames, decode_index
+from .format.sharding_index import IndexedStorage, decode_index
 from .gc_pause import paused_gc
 from .metadata_wire import decode_metadata, encode_metadata
 from .storage.registry import open_store

@@ -7,8 +7,7 @@ import pytest
 
 import dmuon.dcp as ddcp
 from dmuon.dcp.errors import CheckpointCorruptError
-from dmuon.dcp.format.layout import data_file_name
-from dmuon.dcp.format.sharding_index import RankFileNames
+from dmuon.dcp.format.layout import RankFileNames, data_file_name
 from dmuon.dcp.operation import FileColumns, FileSizes
 from tests.helpers.launch import RankFailed, run_ranks
 from tests.helpers.training import build, train

@@ -34,7 +34,7 @@ import pickle
 import zlib
 from array import array
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any, cast, overload
+from typing import Any, cast
 
 import torch
 from torch.distributed.checkpoint.metadata import (
@@ -47,7 +47,7 @@ from torch.distributed.checkpoint.metadata import (
 
 from ... import compat
 from ..errors import CheckpointCorruptError
-from .layout import data_file_name, rank_of_data_file, save_id_of_data_file
+from .layout import RankFileNames, data_file_name, rank_of_data_file, save_id_of_data_file
 from .planner_mappings import joined_mappings, split_mappings
 from .safe_metadata import load_allowed_pickle
 
@@ -106,49 +106,6 @@ def chunk_at(md: TensorStorageMetadata, offsets: Sequence[int]) -> ChunkStorageM
         return None if j is None else md.chunks[j]
     offsets = tuple(offsets)
     return next((c for c in md.chunks if tuple(c.offsets) == offsets), None)
-
-
-class RankFileNames(Sequence[str]):
-    """The data files' names of an index that names them by rank (``layout.data_file_name`` of
-    one save id): each name made when asked for, so that a rank whose load reads two files
-    does not spell out all N (nor build N strings and a table of them)."""
-
-    def __init__(self, save_id: str, ranks: array) -> None:
-        self.save_id, self._ranks = save_id, ranks
-        self._made: dict[int, str] = {}
-        self._numbers: dict[int, int] | None = None  # rank -> position, where ranks are out of order
-
-    def __len__(self) -> int:
-        return len(self._ranks)
-
-    @overload
-    def __getitem__(self, f: int) -> str: ...
-
-    @overload
-    def __getitem__(self, f: slice) -> list[str]: ...
-
-    def __getitem__(self, f: int | slice) -> str | list[str]:
-        if isinstance(f, slice):
-            return [self[k] for k in range(*f.indices(len(self)))]
-        name = self._made.get(f)
-        if name is None:
-            name = self._made[f] = data_file_name(self._ranks[f], self.save_id)  # (IndexError past the end)
-        return name
-
-    def position(self, name: str) -> int | None:
-        """Where ``name`` is in the table, or None."""
-        if save_id_of_data_file(name) != self.save_id:
-            return None
-        rank = rank_of_data_file(name)
-        if rank is None:
-            return None
-        if 0 <= rank < len(self._ranks) and self._ranks[rank] == rank:  # (in rank order, as dmuon writes them)
-            f: int | None = rank
-        else:
-            if self._numbers is None:
-                self._numbers = {r: k for k, r in enumerate(self._ranks)}
-            f = self._numbers.get(rank)
-        return f if f is not None and self[f] == name else None
 
 
 class IndexedStorage(Mapping[MetadataIndex, Any]):

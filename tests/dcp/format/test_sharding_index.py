@@ -5,9 +5,9 @@ rank that plans over it sees only the chunks its tensors overlap."""
 from __future__ import annotations
 
 import math
-from array import array
 import pickle
 import zlib
+from array import array
 
 import pytest
 import torch
@@ -23,9 +23,8 @@ from torch.distributed.checkpoint.metadata import (
 from dmuon import compat
 from dmuon.dcp.checkpoint import open_checkpoint
 from dmuon.dcp.errors import CheckpointCorruptError, UnsafeCheckpointError
-from dmuon.dcp.format.layout import data_file_name
+from dmuon.dcp.format.layout import RankFileNames, data_file_name
 from dmuon.dcp.format.sharding_index import (
-    RankFileNames,
     RegularChunks,
     chunk_at,
     decode_index,
