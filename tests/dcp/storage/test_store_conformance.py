@@ -66,6 +66,18 @@ def test_ranged_reads_return_the_bytes_asked_for(store):
         assert f.read(100) == DATA[-3:]  # a read past the end is short, not an error
 
 
+def test_a_read_told_the_files_size_reads_the_same(store):
+    """A reader that knows the file's size (a checkpoint's manifest) says so, and an object
+    store need not ask for it: every store takes ``size`` and reads as without it."""
+    with store.open_write("data") as f:
+        f.write(DATA)
+    with store.open_read("data", size=len(DATA)) as f:
+        f.seek(len(DATA) - 4097)
+        assert f.read(4097) == DATA[-4097:]
+        f.seek(5)
+        assert f.read(10) == DATA[5:15]
+
+
 def test_readinto_fills_a_buffer_from_an_offset(store):
     with store.open_write("data") as f:
         f.write(DATA)
