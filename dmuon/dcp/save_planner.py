@@ -115,16 +115,17 @@ def _small_duplicates_to_lowest_rank(all_plans: list[SavePlan]) -> list[SavePlan
     this planner was not told is held alike) is kept in the lowest of their plans; torch's
     de-duplication, left to it, spreads such items over the ranks' files, and every rank
     then reads one file per item at a load (``DMuonSavePlanner._plans_alike_key``)."""
-    first: dict[MetadataIndex, int] = {}
+    first: dict[MetadataIndex, int] = {}  # such an item's lowest offering rank
+    offered_again = [False] * len(all_plans)  # (each item tested once: a first save plans N x keys)
     for rank, plan in enumerate(all_plans):
         for item in plan.items:
-            if read_by_every_rank(item):
-                first.setdefault(item.index, rank)
+            if read_by_every_rank(item) and first.setdefault(item.index, rank) != rank:
+                offered_again[rank] = True
     return [
-        dataclasses.replace(
-            plan, items=[item for item in plan.items if not read_by_every_rank(item) or first[item.index] == rank]
-        )
-        for rank, plan in enumerate(all_plans)
+        dataclasses.replace(plan, items=[item for item in plan.items if first.get(item.index, rank) == rank])
+        if again
+        else plan
+        for rank, (plan, again) in enumerate(zip(all_plans, offered_again))
     ]
 
 
