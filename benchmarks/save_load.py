@@ -82,7 +82,7 @@ DIM = 1024
 RAW_METHODS = tuple(f"raw-{w}" for w in raw_io.WRITES)  # each read back as raw_io.READS, in order
 RAW_READ = dict(zip(raw_io.WRITES, raw_io.READS))
 METHODS = ("raw", "dmuon", "torch", "flat", "async")
-EXTRA_METHODS = ("dmuon-buffered", "dmuon-direct", *RAW_METHODS)
+EXTRA_METHODS = ("dmuon-buffered", "dmuon-direct", "dmuon-direct-read", *RAW_METHODS)
 STATES = ("natural", "cold", "warm")
 LOADS = tuple(f"load-{state}" for state in STATES)
 ROOM_FACTOR = 4  # a root needs free space for this many models
@@ -92,6 +92,7 @@ LABELS = {
     "raw-best": "raw best of the four", "dmuon": "dmuon.dcp", "torch": "torch DCP (all FSDP2)",
     "flat": "flat: gather + torch.save", "async": "dmuon.dcp.async_save (blocking)",
     "dmuon-buffered": "dmuon.dcp direct_io=False", "dmuon-direct": "dmuon.dcp direct_io=True",
+    "dmuon-direct-read": "dmuon.dcp, loaded direct_io=True",
 }
 # The targets, each (ours, peer, operation, measure, bound, kind): "max" means ours /
 # peer's must stay at or below the bound, "min" at or above it.
@@ -174,15 +175,17 @@ def operations(rank: int, model, plain_model, share: int) -> dict:
                 f.flush()
                 os.fsync(f.fileno())
 
-    def dmuon_with(options):
+    def dmuon_with(options, load_options=None):
         return (lambda path: ddcp.save(model, None, path, storage_options=options),
-                lambda path: ddcp.load(model, None, path, storage_options=options))
+                lambda path: ddcp.load(model, None, path, storage_options=load_options or options))
 
     return {
         **{f"raw-{how}": raw_with(how) for how in raw_io.WRITES},
         "dmuon": dmuon_with(None),
         "dmuon-buffered": dmuon_with({"direct_io": False}),
         "dmuon-direct": dmuon_with({"direct_io": True}),
+        # the default save, then a load that reads cold files past the page cache
+        "dmuon-direct-read": dmuon_with(None, {"direct_io": True}),
         "torch": (
             lambda path: dcp.save(plain_model.state_dict(), storage_writer=dcp.FileSystemWriter(path)),
             lambda path: dcp.load(plain_model.state_dict(), storage_reader=dcp.FileSystemReader(path)),

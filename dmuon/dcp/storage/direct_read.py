@@ -12,10 +12,12 @@ Only where nothing of the file is cached (:func:`is_cold`): a file a save just w
 the page cache, or that another rank of the node has read, is read from memory as before.
 
 :class:`DirectReadFile` is a seekable read-only stream. What the reader says it will read
-next (``will_need``, :class:`~.base.ReadAheadStream`) is read ahead by a background thread in
+next (``will_need``, :class:`~.base.ReadAheadStream`) is read ahead by background threads in
 aligned requests of up to :data:`CHUNK_BYTES`, :data:`READ_THREADS` requests in flight (one at a time
 left the device idle between requests: on this project's VM, 2 ranks reading 512 MiB cold took
-0.34-0.49 s with one 8 MiB request at a time, 0.27-0.29 s with two of 16 MiB), and at most
+0.34-0.49 s with one 8 MiB request at a time, 0.27-0.29 s with two of 16 MiB; four of 8 MiB
+read a rank's 256 MiB in 0.13-0.20 s where two of 16 MiB took 0.21-0.29 s, with the same 48
+MiB of buffers), and at most
 :data:`CHUNKS_AHEAD` chunks held at a time. Only the hinted bytes are read (widened to whole
 pages), never the rest of a chunk around them: when the ranks of a cooperative load each read
 their share of one file, a rank that read whole 16 MiB chunks around its items also read its
@@ -40,9 +42,9 @@ from .direct_io import DIRECT_IO_ALIGN, O_DIRECT
 
 __all__ = ["CHUNKS_AHEAD", "CHUNK_BYTES", "DIRECT_READ_MIN_BYTES", "READ_THREADS", "DirectReadFile", "is_cold"]
 
-CHUNK_BYTES = 16 << 20  # bytes per read-ahead request (aligned)
-CHUNKS_AHEAD = 3  # chunks read ahead or waiting to be consumed, per open file (48 MiB)
-READ_THREADS = 2  # read-ahead requests in flight at once
+CHUNK_BYTES = 8 << 20  # bytes per read-ahead request (aligned)
+CHUNKS_AHEAD = 6  # chunks read ahead or waiting to be consumed, per open file (48 MiB)
+READ_THREADS = 4  # read-ahead requests in flight at once
 DIRECT_READ_MIN_BYTES = 16 << 20  # smaller files are read through the page cache
 _SAMPLES = 8  # pages of a file looked at to tell whether any of it is cached
 
