@@ -128,7 +128,7 @@ def test_the_store_reads_cold_large_files_past_the_cache_where_it_writes_past_it
     assert write_path.known_choices() == {}  # (a read logs nothing: only writes choose a way)
 
 
-def _save_then_cold_load(rank, world, root):
+def _save_then_cold_load(rank, world, root, save_options):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -152,7 +152,7 @@ def _save_then_cold_load(rank, world, root):
     optimizer = dmuon.Muon(model, lr=0.02)
     model(torch.randn(8, 64)).sum().backward()
     optimizer.step()
-    ddcp.save(model, optimizer, root, storage_options={"direct_io": True})
+    ddcp.save(model, optimizer, root, storage_options=save_options)
     dist.barrier()
     files = sorted(name for name in os.listdir(root) if name.endswith(".distcp"))
     if rank == 0:
@@ -170,10 +170,12 @@ def _save_then_cold_load(rank, world, root):
     return cold, still_cold
 
 
-def test_a_cold_load_reads_past_the_page_cache_bit_exact(tmp_path):
+@pytest.mark.parametrize("save_options", [{"direct_io": True}, None], ids=["saved-direct", "saved-buffered"])
+def test_a_cold_load_reads_past_the_page_cache_bit_exact(tmp_path, save_options):
+    """The load's own ``direct_io=True`` reads cold files past the cache, whichever way they were written."""
     if filesystem_type(str(tmp_path)) not in DIRECT_IO_FILESYSTEMS:
         pytest.skip("no plain O_DIRECT here")
-    results = run_ranks(_save_then_cold_load, 2, str(tmp_path / "ckpt"))
+    results = run_ranks(_save_then_cold_load, 2, str(tmp_path / "ckpt"), save_options)
     for cold, still_cold in results:
         if not all(cold):
             pytest.skip("this system cannot tell whether a file is cached (mincore)")
