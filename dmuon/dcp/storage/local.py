@@ -198,33 +198,30 @@ class LocalStore:
 
 
 class LocalReadFile(io.BufferedReader):
-    """A file opened for reading that takes the reader's hints (:class:`~.base.ReadAheadStream`)
-    for the first :data:`KICKSTART_BYTES` it is told of, and leaves the rest to the kernel.
+    """A file opened for reading that passes every hint of the reader
+    (:class:`~.base.ReadAheadStream`: each item it will read, 64 MiB ahead) on to the kernel
+    with ``posix_fadvise(WILLNEED)``.
 
-    Measured on this project's VM (2 and 4 ranks loading 512 MiB with dropped pages): without
-    hints, the first load of a process -- the restart, where it matters -- took 0.63-0.73 s,
-    the kernel's read-ahead ramping up late; hinting every item 64 MiB ahead brought that to
-    0.38-0.45 s but slowed later loads of the same process from 0.29 to 0.37-0.45 s
-    (``posix_fadvise`` allocates the pages in the reader's own time, where the kernel's
-    read-ahead, once it follows a sequential stream, does better); hinting only the first
-    16 MiB gave 0.30-0.37 s for both. Hints outside the window are dropped, not queued.
+    Measured on this project's VM (2 ranks, 256 MiB each, pages dropped; interleaved, medians;
+    ``docs/performance.md``): the first load of a new process -- a restart -- took 0.43 s with
+    every item hinted against 0.78 s with only the file's first 16 MiB hinted and the rest left
+    to the kernel's read-ahead (torch's DCP: 0.73 s), at 0.57 CPU-s against 1.29; later loads in
+    one process 0.39 s against 0.50-0.54 s. The pages a hint asks for are allocated 4 KiB at a time
+    (``/proc/vmstat``: about 106,000 allocations for a 512 MiB load, no huge pages), where the
+    kernel's own read-ahead took 2 MiB blocks (252 per load), and this VM hands its large free
+    blocks back to its host, slow to take back (``page_reporting_order=11``). (An earlier measurement on this VM
+    had the 16 MiB kick-start ahead, 0.30-0.34 s against 0.35-0.41 s for later loads: which
+    blocks are free depends on what ran before, and the hints won every interleaved run since.)
     """
 
     def __init__(self, path: str) -> None:
         super().__init__(io.FileIO(path, "rb"))
-        self._window: tuple[int, int] | None = None  # the byte range hints are passed on for
 
     def will_need(self, offset: int, length: int) -> None:
-        if _FADVISE_WILLNEED is None or length <= 0:
-            return
-        if self._window is None:
-            self._window = (offset, offset + KICKSTART_BYTES)
-        start, end = max(offset, self._window[0]), min(offset + length, self._window[1])
-        if start < end:
-            os.posix_fadvise(self.fileno(), start, end - start, _FADVISE_WILLNEED)
+        if _FADVISE_WILLNEED is not None and length > 0:
+            os.posix_fadvise(self.fileno(), offset, length, _FADVISE_WILLNEED)
 
 
-KICKSTART_BYTES = 16 << 20
 _FADVISE_WILLNEED = getattr(os, "POSIX_FADV_WILLNEED", None)  # None: not a POSIX system
 
 

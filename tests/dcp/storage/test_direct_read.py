@@ -1,6 +1,7 @@
 """Cold local files read past the page cache: every byte as written, whatever the reads' order."""
 import os
 import random
+import time
 
 import pytest
 import torch
@@ -126,6 +127,22 @@ def test_the_store_reads_cold_large_files_past_the_cache_where_it_writes_past_it
     with LocalStore(str(tmp_path)).open_read("data") as f:
         assert isinstance(f, LocalReadFile)
     assert write_path.known_choices() == {}  # (a read logs nothing: only writes choose a way)
+
+
+def test_a_file_read_through_the_cache_passes_every_hint_on(cold_file):
+    """Every hinted range goes to the kernel (``WILLNEED``), not only the file's first bytes."""
+    path, data = cold_file
+    with LocalReadFile(path) as f:
+        f.will_need(0, 4096)  # the first item
+        far = (16 << 20) + 4096  # past the 16 MiB that an earlier version passed on
+        f.will_need(far, SIZE - far)
+        deadline = time.monotonic() + 10  # (the kernel reads the hinted pages in the background)
+        while is_cold(path, SIZE) and time.monotonic() < deadline:  # (it looks at pages past ``far`` too)
+            time.sleep(0.05)
+        hinted = not is_cold(path, SIZE)
+        f.seek(far)
+        assert f.read() == data[far:]
+    assert hinted, "a hint far into the file was not passed on"
 
 
 def _save_then_cold_load(rank, world, root, save_options):
