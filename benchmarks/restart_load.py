@@ -83,14 +83,16 @@ def main(argv=None) -> None:
                     samples[method].append({"wall_s": max(r["wall_s"] for r in per_rank),
                                             "cpu_s": sum(r["cpu_s"] for r in per_rank)})
                     shutil.rmtree(path)
-            print(f"\n{world} ranks, {args.rounds} rounds: wall s (min / median), job CPU-s (median), ÷ torch (medians)")
+            print(f"\n{world} ranks, {args.rounds} rounds: wall s (min / median), job CPU-s (median), "
+                  "÷ torch (medians)")
             torch_median = statistics.median(s["wall_s"] for s in samples["torch"]) if "torch" in samples else None
             for method, runs in samples.items():
                 walls = [s["wall_s"] for s in runs]
                 median = statistics.median(walls)
                 ratio = f"{median / torch_median:.2f}" if torch_median else "-"
-                print(f"  {method:<20} {min(walls):.3f} / {median:.3f}   {statistics.median(s['cpu_s'] for s in runs):.3f}"
-                      f"   {ratio}   [{', '.join(f'{w:.2f}' for w in walls)}]")
+                cpu = statistics.median(s["cpu_s"] for s in runs)
+                print(f"  {method:<20} {min(walls):.3f} / {median:.3f}   {cpu:.3f}   {ratio}   "
+                      f"[{', '.join(f'{w:.2f}' for w in walls)}]")
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
