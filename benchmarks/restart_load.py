@@ -53,10 +53,11 @@ def load_job(rank: int, world: int, n_matrices: int, path: str, method: str) -> 
         return harness.measure(lambda: dcp.load(model.state_dict(), storage_reader=dcp.FileSystemReader(path)))
     import dmuon.dcp as ddcp
 
+    load = ddcp.load  # (dmuon.dcp imports its modules on first use: outside the timing, as torch's are)
     model = save_load.build(n_matrices, dedicated=True, meta=True)
     options = {"direct_io": True} if method == "dmuon-direct-read" else None
     save_load.prepare(path, "cold")
-    return harness.measure(lambda: ddcp.load(model, None, path, storage_options=options))
+    return harness.measure(lambda: load(model, None, path, storage_options=options))
 
 
 def main(argv=None) -> None:

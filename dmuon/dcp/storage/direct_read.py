@@ -40,7 +40,15 @@ import threading
 
 from .direct_io import DIRECT_IO_ALIGN, O_DIRECT
 
-__all__ = ["CHUNKS_AHEAD", "CHUNK_BYTES", "DIRECT_READ_MIN_BYTES", "READ_THREADS", "DirectReadFile", "is_cold"]
+__all__ = [
+    "CHUNKS_AHEAD",
+    "CHUNK_BYTES",
+    "DIRECT_READ_MIN_BYTES",
+    "READ_THREADS",
+    "DirectReadFile",
+    "is_cached",
+    "is_cold",
+]
 
 CHUNK_BYTES = 8 << 20  # bytes per read-ahead request (aligned)
 CHUNKS_AHEAD = 6  # chunks read ahead or waiting to be consumed, per open file (48 MiB)
@@ -54,22 +62,36 @@ def is_cold(path: str, size: int) -> bool:
     of the kernel with ``mincore`` on a mapping of the file (which reads nothing: a read with
     ``RWF_NOWAIT`` would start the kernel's read-ahead around every page it looked at). False
     where that cannot be asked: the page cache is then used, as everywhere else."""
+    resident = _resident_samples(path, size)
+    return resident is not None and not any(resident)
+
+
+def is_cached(path: str, size: int) -> bool:
+    """True when every one of the ``_SAMPLES`` pages looked at is in the page cache (a file a
+    save just wrote through it, or a load read): reading it asks nothing of the device.
+    False where that cannot be asked."""
+    resident = _resident_samples(path, size)
+    return resident is not None and all(resident)
+
+
+def _resident_samples(path: str, size: int) -> list[bool] | None:
+    """Whether each of ``_SAMPLES`` pages spread over the file is in the page cache; None
+    where the kernel cannot be asked."""
     if _libc is None or size <= 0:
-        return False
+        return None
     fd = os.open(path, os.O_RDONLY)
     try:
         address = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
         if address in (None, ctypes.c_void_p(-1).value):
-            return False
+            return None
         try:
-            resident = ctypes.c_ubyte()
+            resident, found = ctypes.c_ubyte(), []
             for k in range(_SAMPLES):
                 offset = (2 * k + 1) * size // (2 * _SAMPLES) // mmap.PAGESIZE * mmap.PAGESIZE
                 if _libc.mincore(ctypes.c_void_p(address + offset), 1, ctypes.byref(resident)) != 0:
-                    return False
-                if resident.value & 1:
-                    return False  # cached
-            return True
+                    return None
+                found.append(bool(resident.value & 1))
+            return found
         finally:
             _libc.munmap(ctypes.c_void_p(address), size)
     finally:

@@ -23,7 +23,7 @@ from typing import BinaryIO, cast
 
 from .base import checked_name, temp_name
 from .direct_io import O_DIRECT, DirectFile
-from .direct_read import DIRECT_READ_MIN_BYTES, DirectReadFile, is_cold
+from .direct_read import DIRECT_READ_MIN_BYTES, DirectReadFile, is_cached, is_cold
 from .retry import RetryPolicy
 from .write_behind import WriteBehindFile
 from .write_path import DIRECT_IO_FILESYSTEMS, choose_write_path
@@ -120,15 +120,17 @@ class LocalStore:
         (``direct_read.py``) where writes go past it too (``direct_io=True``): the same rule
         in every process, whether it saved first or not."""
         path = self._path(name)
+        size = os.path.getsize(path)  # (not the manifest's: a file that differs is read as it is)
         if self._reads_direct():
-            size = os.path.getsize(path)
             if size >= DIRECT_READ_MIN_BYTES and is_cold(path, size):
                 try:
                     return cast(BinaryIO, DirectReadFile(path))
                 except OSError as error:
                     if error.errno != errno.EINVAL:
                         raise  # (EINVAL: O_DIRECT refused after all; read through the cache)
-        return cast(BinaryIO, LocalReadFile(path))
+        # a large file already in memory is not hinted: the hints would find every page there
+        hints = size < DIRECT_READ_MIN_BYTES or not is_cached(path, size)
+        return cast(BinaryIO, LocalReadFile(path, hints=hints))
 
     def read(self, name: str) -> bytes:
         with self.open_read(name) as f:
@@ -214,12 +216,15 @@ class LocalReadFile(io.BufferedReader):
     blocks are free depends on what ran before, and the hints won every interleaved run since.)
     """
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, hints: bool = True) -> None:
+        """``hints=False``: the file is known to be in memory; the hints are dropped (asking
+        the kernel for 256 MiB of pages it has costs about 3 ms)."""
         super().__init__(io.FileIO(path, "rb"))
+        self._advice = _FADVISE_WILLNEED if hints else None  # None: hints dropped
 
     def will_need(self, offset: int, length: int) -> None:
-        if _FADVISE_WILLNEED is not None and length > 0:
-            os.posix_fadvise(self.fileno(), offset, length, _FADVISE_WILLNEED)
+        if self._advice is not None and length > 0:
+            os.posix_fadvise(self.fileno(), offset, length, self._advice)
 
 
 _FADVISE_WILLNEED = getattr(os, "POSIX_FADV_WILLNEED", None)  # None: not a POSIX system

@@ -145,6 +145,17 @@ def test_a_file_read_through_the_cache_passes_every_hint_on(cold_file):
     assert hinted, "a hint far into the file was not passed on"
 
 
+def test_a_file_in_memory_is_not_hinted(cold_file, tmp_path):
+    """Hints for pages the kernel has are dropped; a cold file's are passed on."""
+    path, data = cold_file
+    store = LocalStore(str(tmp_path), direct_io=False)
+    with store.open_read("data") as f:
+        assert f._advice is not None  # cold: hinted
+        assert f.read() == data
+    with store.open_read("data") as f:
+        assert f._advice is None  # every page read a moment ago
+
+
 def _save_then_cold_load(rank, world, root, save_options):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
